@@ -1,0 +1,180 @@
+//! The `outbox-relay` binary: parse flags, set up logging and signals, wire connections
+//! from `Config`, run a command, map the result to an exit code (0 clean, 1 a failure
+//! retries cannot fix, 2 bad configuration).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use clap::error::ErrorKind;
+use outbox_relay::config::{Cli, Config, LogFormat, Schema};
+use outbox_relay::db::DbTarget;
+use outbox_relay::relay::{self, Backoff, Deps};
+use outbox_relay::schema::{self, MigrateError};
+use outbox_relay::telemetry::{self, Down};
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return clap_exit(e),
+    };
+    init_logging(cli.log_format);
+    let config = match cli.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("outbox-relay: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outbox-relay: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("outbox-relay: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Help and version go to stdout with status 0; anything else is one line and status 2.
+fn clap_exit(e: clap::Error) -> ExitCode {
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::from(2)
+        }
+        _ => {
+            let text = e.render().to_string();
+            let line = text.lines().next().unwrap_or("invalid arguments");
+            let line = line.strip_prefix("error: ").unwrap_or(line);
+            eprintln!("outbox-relay: {line} (see outbox-relay --help)");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    // lapin logs returned messages (payload included) at warn: keep it to errors; the
+    // relay reports every such event itself.
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=error"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn shutdown_on_signals() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::error!("cannot install signal handlers");
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        t.cancel();
+    });
+    token
+}
+
+async fn run(config: Config) -> anyhow::Result<()> {
+    match config {
+        Config::Migrate { db, schema } => {
+            let mut client = db
+                .connect(&schema, "outbox-relay-migrate")
+                .await
+                .context("cannot connect to postgres")?;
+            let report = schema::migrate(&mut client, &schema).await?;
+            if report.applied.is_empty() {
+                println!(
+                    "schema {schema} is up to date ({} migrations)",
+                    report.already
+                );
+            } else {
+                println!("schema {schema}: applied {}", report.applied.join(", "));
+            }
+            Ok(())
+        }
+        Config::Run {
+            db,
+            amqp,
+            schema,
+            migrate,
+            relay: relay_config,
+        } => {
+            let shutdown = shutdown_on_signals();
+            if migrate && !migrate_when_reachable(&db, &schema, &shutdown).await? {
+                return Ok(()); // stopped before the database came up
+            }
+            let pool = db.pool(&schema, "outbox-relay", 8);
+            let deps = Deps {
+                pool,
+                db,
+                schema,
+                amqp,
+            };
+            relay::run(deps, relay_config, shutdown).await?;
+            Ok(())
+        }
+    }
+}
+
+/// Applies migrations, waiting for Postgres if it is not up yet. Returns false if a
+/// shutdown signal came first.
+async fn migrate_when_reachable(
+    db: &DbTarget,
+    schema: &Schema,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    let mut down = Down::new("postgres");
+    loop {
+        let attempt = async {
+            let mut client = db.connect(schema, "outbox-relay-migrate").await?;
+            schema::migrate(&mut client, schema).await
+        };
+        match attempt.await {
+            Ok(report) => {
+                down.recovered();
+                telemetry::migrations_applied(&report.applied, report.already);
+                return Ok(true);
+            }
+            Err(MigrateError::Db(e)) if e.is_transient() => {
+                let delay = backoff.next_delay();
+                down.failed(&e, delay);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(false),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+            Err(e) => return Err(e).context("migration failed"),
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! The relay's SQL: claiming rows, marking them dispatched, recording failures and
+//! parking, leasing partitions, and the wake-up flag. One `const` per statement.
+//!
+//! Invariants: `dispatched_at` is written only by [`mark_dispatched`], which takes
+//! [`Acked`] values that only `relay/publish.rs` can make (from a broker ack without a
+//! return); a parked row is never marked dispatched (`parked_at IS NULL` in the UPDATE);
+//! marking and parking never touch a row that already has a final state.
+
+use std::sync::Arc;
+
+use deadpool_postgres::Pool;
+use uuid::Uuid;
+
+use super::publish::Acked;
+use crate::db::{DbError, deadline};
+
+/// A pending row as claimed, with everything needed to publish it.
+#[derive(Clone, Debug)]
+pub struct ClaimedRow {
+    pub id: i64,
+    pub event_id: Uuid,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub routing_key: String,
+    /// The payload's JSON text; `None` when it is larger than `--max-message-bytes`.
+    pub body: Option<Arc<str>>,
+    pub body_bytes: usize,
+    pub headers: String,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
+    pub created_unix: i64,
+    pub created_text: String,
+    pub attempts: i32,
+    pub seq: i64,
+    pub partition: u8,
+}
+
+impl ClaimedRow {
+    #[cfg(test)]
+    pub fn for_test(id: i64, aggregate_type: &str, aggregate_id: &str, seq: i64) -> ClaimedRow {
+        ClaimedRow {
+            id,
+            event_id: Uuid::nil(),
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: "created".into(),
+            routing_key: format!("{aggregate_type}.created"),
+            body: Some("{}".into()),
+            body_bytes: 2,
+            headers: "{}".into(),
+            traceparent: None,
+            tracestate: None,
+            created_unix: 0,
+            created_text: "1970-01-01T00:00:00.000000Z".into(),
+            attempts: 0,
+            seq,
+            partition: 0,
+        }
+    }
+}
+
+/// What one claim call found.
+#[derive(Debug)]
+pub struct Claimed {
+    /// Where the next claim of this pass starts.
+    pub scanned_to: i64,
+    /// Candidate rows the scan looked at; fewer than the limit means the pass is complete.
+    pub scanned: usize,
+    pub rows: Vec<ClaimedRow>,
+}
+
+/// Arguments of one claim.
+#[derive(Clone, Copy, Debug)]
+pub struct ClaimRequest<'a> {
+    pub relay_id: &'a str,
+    pub after: i64,
+    pub limit: usize,
+    pub per_key: usize,
+    pub block_parked_keys: bool,
+    pub max_message_bytes: usize,
+    pub max_bytes: usize,
+}
+
+const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7)";
+
+pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbError> {
+    let client = deadline(pool.get()).await?;
+    let stmt = deadline(client.prepare_cached(CLAIM)).await?;
+    let limit = i32::try_from(req.limit).unwrap_or(i32::MAX);
+    let per_key = i32::try_from(req.per_key).unwrap_or(i32::MAX);
+    let max_message = i32::try_from(req.max_message_bytes).unwrap_or(i32::MAX);
+    let max_bytes = i64::try_from(req.max_bytes).unwrap_or(i64::MAX);
+    let rows = deadline(client.query(
+        &stmt,
+        &[
+            &req.relay_id,
+            &req.after,
+            &limit,
+            &per_key,
+            &req.block_parked_keys,
+            &max_message,
+            &max_bytes,
+        ],
+    ))
+    .await?;
+    let mut out = Claimed {
+        scanned_to: req.after,
+        scanned: 0,
+        rows: Vec::with_capacity(rows.len()),
+    };
+    for row in rows {
+        let id: Option<i64> = row.get("id");
+        let Some(id) = id else {
+            out.scanned_to = row.get::<_, Option<i64>>("scanned_to").unwrap_or(req.after);
+            out.scanned = row.get::<_, Option<i32>>("scanned").unwrap_or(0).max(0) as usize;
+            continue;
+        };
+        let body: Option<String> = row.get("body");
+        let body_bytes: i32 = row.get("body_bytes");
+        let partition: i32 = row.get("partition");
+        out.rows.push(ClaimedRow {
+            id,
+            event_id: row.get("event_id"),
+            aggregate_type: row.get("aggregate_type"),
+            aggregate_id: row.get("aggregate_id"),
+            event_type: row.get("event_type"),
+            routing_key: row.get("routing_key"),
+            body: body.map(Arc::from),
+            body_bytes: body_bytes.max(0) as usize,
+            headers: row.get("headers"),
+            traceparent: row.get("traceparent"),
+            tracestate: row.get("tracestate"),
+            created_unix: row.get("created_unix"),
+            created_text: row.get("created_text"),
+            attempts: row.get("attempts"),
+            seq: row.get("seq"),
+            partition: partition as u8,
+        });
+    }
+    Ok(out)
+}
+
+const MARK: &str = "UPDATE outbox_events SET dispatched_at = now()
+ WHERE id = ANY ($1) AND dispatched_at IS NULL AND parked_at IS NULL";
+
+/// Marks acked rows dispatched. Only [`Acked`] values (broker confirmations without a
+/// return) can be passed. Returns how many rows changed.
+pub async fn mark_dispatched<'a>(
+    pool: &Pool,
+    acked: impl Iterator<Item = &'a Acked>,
+) -> Result<u64, DbError> {
+    let ids: Vec<i64> = acked.map(Acked::row_id).collect();
+    let client = deadline(pool.get()).await?;
+    let stmt = deadline(client.prepare_cached(MARK)).await?;
+    deadline(client.execute(&stmt, &[&ids])).await
+}
+
+/// How a failed attempt counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Nack, confirm timeout, lost channel: retried for as long as it takes.
+    Transient = 0,
+    /// Returned unroutable: parked once attempts reach `--max-attempts`.
+    Permanent = 1,
+    /// Cannot ever be published as it is (too large, refused header): parked now.
+    ParkNow = 2,
+}
+
+/// One failed attempt to record.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub id: i64,
+    pub kind: FailureKind,
+    pub reason: String,
+}
+
+/// What the database recorded for a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recorded {
+    /// Still pending, with this many attempts so far.
+    Pending { attempts: i32 },
+    /// Parked now.
+    Parked,
+    /// The row had already reached a final state (dispatched or parked).
+    Gone,
+}
+
+const RECORD_FAILURES: &str = "UPDATE outbox_events e
+   SET attempts = e.attempts + 1,
+       last_error = f.reason,
+       parked_at = CASE WHEN f.kind = 2 OR (f.kind = 1 AND e.attempts + 1 >= $4) THEN now() END
+  FROM unnest($1::bigint[], $2::text[], $3::int2[]) AS f(id, reason, kind)
+ WHERE e.id = f.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+RETURNING e.id, e.attempts, e.parked_at IS NOT NULL AS parked";
+
+/// Records failed attempts (attempts + 1, last_error) and parks rows that reached their
+/// limit. Returns, per input row, what was recorded.
+pub async fn record_failures(
+    pool: &Pool,
+    failures: &[Failure],
+    max_attempts: i32,
+) -> Result<Vec<(i64, Recorded)>, DbError> {
+    let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
+    let reasons: Vec<&str> = failures.iter().map(|f| f.reason.as_str()).collect();
+    let kinds: Vec<i16> = failures.iter().map(|f| f.kind as i16).collect();
+    let client = deadline(pool.get()).await?;
+    let stmt = deadline(client.prepare_cached(RECORD_FAILURES)).await?;
+    let rows = deadline(client.query(&stmt, &[&ids, &reasons, &kinds, &max_attempts])).await?;
+    let mut out: Vec<(i64, Recorded)> = ids.iter().map(|id| (*id, Recorded::Gone)).collect();
+    for row in rows {
+        let id: i64 = row.get(0);
+        let attempts: i32 = row.get(1);
+        let parked: bool = row.get(2);
+        if let Some(slot) = out.iter_mut().find(|(i, _)| *i == id) {
+            slot.1 = if parked {
+                Recorded::Parked
+            } else {
+                Recorded::Pending { attempts }
+            };
+        }
+    }
+    Ok(out)
+}
+
+/// A partition this relay holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub partition: u8,
+    pub epoch: i64,
+}
+
+/// What a lease round returned.
+#[derive(Clone, Debug, Default)]
+pub struct LeaseRound {
+    pub held: Vec<Lease>,
+    pub fair_share: usize,
+    pub relays_alive: usize,
+}
+
+/// Arguments of one lease round.
+#[derive(Clone, Debug)]
+pub struct LeaseRequest<'a> {
+    pub relay_id: &'a str,
+    pub host: &'a str,
+    pub pid: i32,
+    pub lease_secs: f64,
+    pub release: Vec<i32>,
+    pub acquire: bool,
+    pub wants_wakeup: bool,
+}
+
+const LEASE: &str = "SELECT partition, epoch, fair_share, relays_alive FROM outbox_lease($1, $2, $3, $4, $5, $6, $7)";
+
+/// Heartbeat, renew, release and acquire partitions in one round trip.
+pub async fn lease(pool: &Pool, req: &LeaseRequest<'_>) -> Result<LeaseRound, DbError> {
+    let client = deadline(pool.get()).await?;
+    let stmt = deadline(client.prepare_cached(LEASE)).await?;
+    let rows = deadline(client.query(
+        &stmt,
+        &[
+            &req.relay_id,
+            &req.host,
+            &req.pid,
+            &req.lease_secs,
+            &req.release,
+            &req.acquire,
+            &req.wants_wakeup,
+        ],
+    ))
+    .await?;
+    let mut round = LeaseRound::default();
+    for row in rows {
+        let partition: i32 = row.get(0);
+        round.held.push(Lease {
+            partition: partition as u8,
+            epoch: row.get(1),
+        });
+        round.fair_share = row.get::<_, i32>(2).max(0) as usize;
+        round.relays_alive = row.get::<_, i32>(3).max(0) as usize;
+    }
+    Ok(round)
+}
+
+const LEAVE: &str = "SELECT outbox_leave($1)";
+
+/// Gives back every partition at a clean shutdown so others take over at once.
+pub async fn leave(pool: &Pool, relay_id: &str) -> Result<(), DbError> {
+    let client = deadline(pool.get()).await?;
+    deadline(client.execute(LEAVE, &[&relay_id])).await?;
+    Ok(())
+}
+
+const SET_WAKEUP: &str = "UPDATE outbox_relays SET wants_wakeup = $2 WHERE relay_id = $1";
+
+/// Tells producers whether this relay wants a NOTIFY on insert (only while it is idle).
+pub async fn set_wakeup(pool: &Pool, relay_id: &str, wanted: bool) -> Result<(), DbError> {
+    let client = deadline(pool.get()).await?;
+    let stmt = deadline(client.prepare_cached(SET_WAKEUP)).await?;
+    deadline(client.execute(&stmt, &[&relay_id, &wanted])).await?;
+    Ok(())
+}

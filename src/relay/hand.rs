@@ -1,0 +1,495 @@
+//! The rows a relay holds between claiming them and their final write (dispatched or
+//! parked): one queue per key, in publish (seq) order.
+//!
+//! Invariants:
+//! - At most one message per key is unconfirmed at a time. A nack or a return can only be
+//!   known after the fact, so a key's next event is published only once the previous one
+//!   is settled; that is what keeps per-key order through failures.
+//! - A row stays "held" (and is filtered out of later claims) until its final write has
+//!   committed, so a claim racing with a mark never hands the same row back as new.
+//! - Rows that left the hand while a claim was running are remembered until that claim
+//!   returns (its snapshot may predate the write), then forgotten.
+//!
+//! No IO here: the engine in `relay/mod.rs` drives it and tests drive it directly.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use super::claim::ClaimedRow;
+
+/// A key: aggregate type and aggregate id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+}
+
+impl Key {
+    pub fn of(row: &ClaimedRow) -> Key {
+        Key {
+            aggregate_type: row.aggregate_type.clone(),
+            aggregate_id: row.aggregate_id.clone(),
+        }
+    }
+}
+
+/// Where a key's head row is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Head {
+    /// Can be published now (it is in the ready queue).
+    Ready,
+    /// Published, waiting for the broker's confirm.
+    InFlight,
+    /// Failed; waiting for its retry time (the engine holds the timer).
+    Waiting,
+    /// Waiting for the database to record a failure or park the row.
+    Recording,
+}
+
+#[derive(Debug)]
+struct KeyQueue {
+    rows: VecDeque<ClaimedRow>,
+    head: Head,
+    partition: u8,
+    /// The last claim returned a full prefix for this key: more may be pending behind it.
+    maybe_more: bool,
+}
+
+/// What the engine should do after a key's head settled.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Released {
+    /// The key had more rows behind the claimed prefix; a new claim pass should look.
+    pub wants_claim: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct Hand {
+    keys: HashMap<Key, KeyQueue>,
+    ready: VecDeque<Key>,
+    /// Every row id held: queued, in flight, or waiting for its final write.
+    held: HashSet<i64>,
+    /// Acked rows waiting for the dispatched mark to commit.
+    awaiting_mark: usize,
+    bytes: usize,
+    in_flight: usize,
+    /// Set while a claim is running: ids that left the hand meanwhile.
+    claim_filter: Option<HashSet<i64>>,
+}
+
+impl Hand {
+    pub fn rows(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    pub fn awaiting_mark(&self) -> usize {
+        self.awaiting_mark
+    }
+
+    pub fn is_held(&self, id: i64) -> bool {
+        self.held.contains(&id)
+    }
+
+    /// A claim is about to run: remember what leaves the hand until it returns.
+    pub fn claim_started(&mut self) {
+        self.claim_filter = Some(HashSet::new());
+    }
+
+    /// Adds the rows a claim returned (each key's rows in publish order), skipping rows
+    /// already held or that left the hand while the claim ran. Returns how many were new.
+    /// `full_prefix` lists keys for which the claim returned as many rows as it could.
+    pub fn claim_returned(&mut self, rows: Vec<ClaimedRow>, full_prefix: &HashSet<Key>) -> usize {
+        let filter = self.claim_filter.take().unwrap_or_default();
+        let mut added = 0;
+        for row in rows {
+            if self.held.contains(&row.id) || filter.contains(&row.id) {
+                continue;
+            }
+            let key = Key::of(&row);
+            let partition = row.partition;
+            self.held.insert(row.id);
+            self.bytes += row.body_bytes;
+            added += 1;
+            let queue = self.keys.entry(key.clone()).or_insert_with(|| KeyQueue {
+                rows: VecDeque::new(),
+                head: Head::Ready,
+                partition,
+                maybe_more: false,
+            });
+            let was_empty = queue.rows.is_empty();
+            // Claims return each key's rows in seq order and new rows always number after
+            // held ones, so this is an append; keep the queue sorted whatever happens.
+            let pos = queue
+                .rows
+                .iter()
+                .rposition(|r| r.seq < row.seq)
+                .map_or(0, |p| p + 1);
+            let pos = if queue.head != Head::Ready && pos == 0 && !was_empty {
+                1
+            } else {
+                pos
+            };
+            queue.rows.insert(pos, row);
+            if was_empty {
+                queue.head = Head::Ready;
+                self.ready.push_back(key);
+            }
+        }
+        for key in full_prefix {
+            if let Some(q) = self.keys.get_mut(key) {
+                q.maybe_more = true;
+            }
+        }
+        added
+    }
+
+    /// The next row to publish whose partition `sendable` allows, marking it in flight.
+    /// Keys of partitions not sendable are skipped and stay ready.
+    pub fn next_ready(&mut self, sendable: impl Fn(u8) -> bool) -> Option<&ClaimedRow> {
+        let mut skipped = 0;
+        let n = self.ready.len();
+        while skipped < n {
+            let key = self.ready.pop_front()?;
+            let Some(queue) = self.keys.get(&key) else {
+                continue;
+            };
+            if queue.head != Head::Ready || queue.rows.is_empty() {
+                continue;
+            }
+            if !sendable(queue.partition) {
+                self.ready.push_back(key);
+                skipped += 1;
+                continue;
+            }
+            self.in_flight += 1;
+            let queue = self.keys.get_mut(&key).expect("checked above");
+            queue.head = Head::InFlight;
+            return queue.rows.front();
+        }
+        None
+    }
+
+    /// The broker confirmed the key's head without a return: it waits for its mark, and
+    /// the key's next row may go.
+    pub fn acked(&mut self, key: &Key, id: i64) -> Released {
+        let Some(queue) = head_mut(&mut self.keys, key, id) else {
+            return Released { wants_claim: false };
+        };
+        if queue.head == Head::InFlight {
+            self.in_flight -= 1;
+        }
+        queue.rows.pop_front();
+        self.awaiting_mark += 1;
+        self.advance(key)
+    }
+
+    /// The dispatched mark committed for these rows: they leave the hand.
+    pub fn marked(&mut self, rows: impl IntoIterator<Item = (i64, usize)>) {
+        for (id, bytes) in rows {
+            if self.held.remove(&id) {
+                self.awaiting_mark -= 1;
+                self.bytes -= bytes;
+                if let Some(f) = self.claim_filter.as_mut() {
+                    f.insert(id);
+                }
+            }
+        }
+    }
+
+    /// The key's head failed to publish; the engine records the failure.
+    pub fn failed(&mut self, key: &Key, id: i64) {
+        if let Some(queue) = head_mut(&mut self.keys, key, id) {
+            if queue.head == Head::InFlight {
+                self.in_flight -= 1;
+            }
+            queue.head = Head::Recording;
+        }
+    }
+
+    /// The key's head is to be parked without being published (too large, bad header).
+    pub fn refuse(&mut self, key: &Key, id: i64) {
+        self.failed(key, id);
+    }
+
+    /// The failure is recorded and the row will be retried when its timer fires.
+    pub fn wait_retry(&mut self, key: &Key, id: i64) {
+        if let Some(queue) = head_mut(&mut self.keys, key, id) {
+            queue.head = Head::Waiting;
+        }
+    }
+
+    /// The key's retry time came: its head may be published again.
+    pub fn retry_due(&mut self, key: &Key) {
+        if let Some(queue) = self.keys.get_mut(key)
+            && queue.head == Head::Waiting
+        {
+            queue.head = Head::Ready;
+            self.ready.push_back(key.clone());
+        }
+    }
+
+    /// The key's head was parked (committed). With `keep_going` the key's next row may go;
+    /// otherwise the key's rows leave the hand (they wait, pending, for an operator).
+    pub fn parked(&mut self, key: &Key, id: i64, keep_going: bool) -> Released {
+        let Some(queue) = head_mut(&mut self.keys, key, id) else {
+            return Released { wants_claim: false };
+        };
+        if queue.head == Head::InFlight {
+            self.in_flight -= 1;
+        }
+        let row = queue.rows.pop_front().expect("head exists");
+        queue.head = Head::Ready; // whatever is behind it has not been published
+        self.forget(row.id, row.body_bytes);
+        if keep_going {
+            self.advance(key)
+        } else {
+            self.drop_key(key);
+            Released { wants_claim: false }
+        }
+    }
+
+    /// The row is no longer ours to publish (dispatched or parked by someone else): it
+    /// leaves the hand and the key goes on.
+    pub fn gone(&mut self, key: &Key, id: i64) -> Released {
+        self.parked(key, id, true)
+    }
+
+    fn forget(&mut self, id: i64, bytes: usize) {
+        if self.held.remove(&id) {
+            self.bytes -= bytes;
+            if let Some(f) = self.claim_filter.as_mut() {
+                f.insert(id);
+            }
+        }
+    }
+
+    /// After the head left: the next row becomes ready, or the key leaves the hand.
+    fn advance(&mut self, key: &Key) -> Released {
+        let queue = self.keys.get_mut(key).expect("key exists");
+        if queue.rows.is_empty() {
+            let maybe_more = queue.maybe_more;
+            self.keys.remove(key);
+            return Released {
+                wants_claim: maybe_more,
+            };
+        }
+        queue.head = Head::Ready;
+        self.ready.push_back(key.clone());
+        Released { wants_claim: false }
+    }
+
+    /// Drops a key's rows that are not in flight (they stay pending in the database).
+    fn drop_key(&mut self, key: &Key) {
+        let Some(mut queue) = self.keys.remove(key) else {
+            return;
+        };
+        let keep_head = queue.head == Head::InFlight || queue.head == Head::Recording;
+        let head = if keep_head {
+            queue.rows.pop_front()
+        } else {
+            None
+        };
+        for row in queue.rows.drain(..) {
+            self.forget(row.id, row.body_bytes);
+        }
+        if let Some(head) = head {
+            // Its outcome is still coming; keep the key with just that row.
+            queue.rows.push_back(head);
+            queue.maybe_more = false;
+            self.keys.insert(key.clone(), queue);
+        }
+    }
+
+    /// The partition's lease was lost: drop its rows that are not in flight.
+    pub fn drop_partition(&mut self, partition: u8) -> usize {
+        let keys: Vec<Key> = self
+            .keys
+            .iter()
+            .filter(|(_, q)| q.partition == partition)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let before = self.held.len();
+        for key in &keys {
+            self.drop_key(key);
+        }
+        before - self.held.len()
+    }
+
+    /// Rows in flight or waiting for a database write in this partition.
+    pub fn busy_in_partition(&self, partition: u8) -> bool {
+        self.keys
+            .values()
+            .any(|q| q.partition == partition && matches!(q.head, Head::InFlight | Head::Recording))
+    }
+
+    /// Every row currently in flight (for a lost AMQP session): `(key, id)`.
+    pub fn in_flight_rows(&self) -> Vec<(Key, i64)> {
+        self.keys
+            .iter()
+            .filter(|(_, q)| q.head == Head::InFlight)
+            .filter_map(|(k, q)| q.rows.front().map(|r| (k.clone(), r.id)))
+            .collect()
+    }
+
+    /// The key's head row, if it is `id`.
+    pub fn head(&self, key: &Key, id: i64) -> Option<&ClaimedRow> {
+        self.keys
+            .get(key)
+            .and_then(|q| q.rows.front())
+            .filter(|r| r.id == id)
+    }
+
+    /// When a key's retry is due: the earliest time its head may go again.
+    pub fn retry_at(
+        attempts: i32,
+        min: std::time::Duration,
+        max: std::time::Duration,
+        now: Instant,
+    ) -> Instant {
+        now + super::retry_delay(attempts, min, max)
+    }
+}
+
+fn head_mut<'a>(
+    keys: &'a mut HashMap<Key, KeyQueue>,
+    key: &Key,
+    id: i64,
+) -> Option<&'a mut KeyQueue> {
+    keys.get_mut(key)
+        .filter(|q| q.rows.front().is_some_and(|r| r.id == id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: i64, key: &str, seq: i64) -> ClaimedRow {
+        ClaimedRow::for_test(id, "order", key, seq)
+    }
+
+    fn none() -> HashSet<Key> {
+        HashSet::new()
+    }
+
+    fn key(k: &str) -> Key {
+        Key {
+            aggregate_type: "order".into(),
+            aggregate_id: k.into(),
+        }
+    }
+
+    #[test]
+    fn one_message_per_key_in_flight() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        assert_eq!(
+            hand.claim_returned(
+                vec![row(1, "a", 1), row(2, "a", 2), row(3, "b", 1)],
+                &none()
+            ),
+            3
+        );
+        let first = hand.next_ready(|_| true).unwrap().id;
+        let second = hand.next_ready(|_| true).unwrap().id;
+        assert_eq!((first, second), (1, 3));
+        assert!(
+            hand.next_ready(|_| true).is_none(),
+            "a's second row must wait for the first"
+        );
+        hand.acked(&key("a"), 1);
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 2);
+    }
+
+    #[test]
+    fn held_rows_are_not_added_twice_and_marked_rows_leave() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        hand.claim_returned(vec![row(1, "a", 1)], &none());
+        hand.next_ready(|_| true);
+        hand.acked(&key("a"), 1);
+        hand.claim_started();
+        // The mark commits while the claim runs: the claim's snapshot may still see row 1.
+        hand.marked([(1, 0)]);
+        assert_eq!(
+            hand.claim_returned(vec![row(1, "a", 1), row(2, "a", 2)], &none()),
+            1
+        );
+        assert_eq!(hand.rows(), 1);
+    }
+
+    #[test]
+    fn a_failed_head_holds_its_key_until_retry() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        hand.claim_returned(
+            vec![row(1, "a", 1), row(2, "a", 2), row(3, "b", 1)],
+            &none(),
+        );
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 1);
+        hand.failed(&key("a"), 1);
+        hand.wait_retry(&key("a"), 1);
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 3, "other keys go on");
+        assert!(hand.next_ready(|_| true).is_none());
+        hand.retry_due(&key("a"));
+        assert_eq!(
+            hand.next_ready(|_| true).unwrap().id,
+            1,
+            "the same row again, before row 2"
+        );
+    }
+
+    #[test]
+    fn parking_continues_or_blocks_the_key() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        hand.claim_returned(
+            vec![
+                row(1, "a", 1),
+                row(2, "a", 2),
+                row(3, "b", 1),
+                row(4, "b", 2),
+            ],
+            &none(),
+        );
+        hand.next_ready(|_| true);
+        hand.next_ready(|_| true);
+        hand.failed(&key("a"), 1);
+        hand.parked(&key("a"), 1, true);
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 2);
+        hand.failed(&key("b"), 3);
+        hand.parked(&key("b"), 3, false);
+        assert!(!hand.is_held(4), "block-key drops the key's later rows");
+        assert!(hand.next_ready(|_| true).is_none());
+    }
+
+    #[test]
+    fn partitions_not_sendable_are_skipped() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        let mut r = row(1, "a", 1);
+        r.partition = 7;
+        hand.claim_returned(vec![r, row(2, "b", 1)], &none());
+        assert_eq!(hand.next_ready(|p| p != 7).unwrap().id, 2);
+        assert!(hand.next_ready(|p| p != 7).is_none());
+        assert_eq!(hand.drop_partition(7), 1);
+        assert_eq!(hand.rows(), 1);
+    }
+
+    #[test]
+    fn a_drained_full_prefix_asks_for_a_claim() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        let mut full = HashSet::new();
+        full.insert(key("a"));
+        hand.claim_returned(vec![row(1, "a", 1)], &full);
+        hand.next_ready(|_| true);
+        assert_eq!(hand.acked(&key("a"), 1), Released { wants_claim: true });
+    }
+}

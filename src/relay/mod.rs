@@ -1,0 +1,1126 @@
+//! The relay: claims committed outbox rows, publishes them with confirms, marks them
+//! dispatched after the broker's ack, retries and parks.
+//!
+//! One engine task owns all state and reacts to one closed set of wake-ups ([`Wake`]) in
+//! one `match`. Database round trips and the AMQP connect run as futures the engine polls
+//! (so a slow mark never stops confirms from being handled); the LISTEN connection and the
+//! AMQP lanes are tasks that report back through channels.
+//!
+//! Data path: `listen` (hint) → `claim` (rows of leased partitions, seq assigned) →
+//! `hand` (per-key queues, one unconfirmed message per key) → `publish` (lanes, confirms,
+//! returns matched by message_id) → `claim::mark_dispatched` (only from `Acked`).
+//!
+//! Architecture invariant: nothing here reads the environment or argv; `run` takes its
+//! connections, its configuration and its shutdown signal from the caller.
+
+pub mod claim;
+pub mod hand;
+pub mod listen;
+pub mod publish;
+
+use std::collections::{HashMap, HashSet};
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::Pool;
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::mpsc;
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+use tokio_util::time::DelayQueue;
+
+use crate::config::Schema;
+use crate::db::{DbError, DbTarget, deadline};
+use crate::telemetry::{self, Down, SettledCounts};
+use claim::{Claimed, Failure, FailureKind, LeaseRound, Recorded};
+use hand::{Hand, Key};
+use listen::ListenEvent;
+use publish::{Acked, AmqpTarget, Outcome, PublishError, Session, SessionConfig, SettledBatch};
+
+/// What a parked row does to the later rows of its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnPark {
+    /// The key's later rows go on; consumers see a gap in x-outbox-seq.
+    Continue,
+    /// The key waits until an operator re-drives or deletes the parked row.
+    BlockKey,
+}
+
+/// The relay's settings (see README for each flag).
+#[derive(Clone, Debug)]
+pub struct RelayConfig {
+    pub exchange: String,
+    pub declare_exchange: bool,
+    pub batch_size: NonZeroUsize,
+    pub poll_interval: Duration,
+    pub listen: bool,
+    pub max_attempts: NonZeroU32,
+    pub max_message_bytes: NonZeroUsize,
+    pub shutdown_timeout: Duration,
+    pub confirm_timeout: Duration,
+    pub confirm_window: NonZeroUsize,
+    pub channels: NonZeroUsize,
+    pub lease: Duration,
+    pub on_park: OnPark,
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+    pub max_in_memory_bytes: NonZeroUsize,
+}
+
+impl RelayConfig {
+    /// Defaults as documented, publishing to `exchange`.
+    pub fn new(exchange: &str) -> RelayConfig {
+        RelayConfig {
+            exchange: exchange.to_owned(),
+            declare_exchange: true,
+            batch_size: NonZeroUsize::new(500).expect("non-zero"),
+            poll_interval: Duration::from_secs(1),
+            listen: true,
+            max_attempts: NonZeroU32::new(10).expect("non-zero"),
+            max_message_bytes: NonZeroUsize::new(1 << 20).expect("non-zero"),
+            shutdown_timeout: Duration::from_secs(10),
+            confirm_timeout: Duration::from_secs(15),
+            confirm_window: NonZeroUsize::new(1024).expect("non-zero"),
+            channels: NonZeroUsize::new(2).expect("non-zero"),
+            lease: Duration::from_secs(15),
+            on_park: OnPark::Continue,
+            retry_min: Duration::from_millis(500),
+            retry_max: Duration::from_secs(60),
+            max_in_memory_bytes: NonZeroUsize::new(64 << 20).expect("non-zero"),
+        }
+    }
+}
+
+/// The connections the relay runs on.
+#[derive(Clone)]
+pub struct Deps {
+    /// Pooled connections with `search_path` set to the schema (see `DbTarget::pool`).
+    pub pool: Pool,
+    /// For the dedicated LISTEN connection.
+    pub db: DbTarget,
+    pub schema: Schema,
+    pub amqp: AmqpTarget,
+}
+
+/// A failure retries cannot fix.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// The schema has no outbox tables and functions.
+    #[error(
+        "schema '{0}' has no outbox tables: run `outbox-relay migrate` (or start without --no-migrate)"
+    )]
+    NotMigrated(String),
+    /// The database refused a statement for a reason waiting will not fix (permissions,
+    /// a changed schema).
+    #[error("database refused the relay: {0}")]
+    Refused(String),
+}
+
+/// Who this relay is, in the database and at the broker.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    pub relay_id: String,
+    pub host: String,
+    pub pid: i32,
+    pub connection_name: String,
+}
+
+impl Identity {
+    pub fn of_this_process() -> Identity {
+        use std::hash::{BuildHasher, Hasher};
+        let host = hostname();
+        let pid = std::process::id();
+        // A random suffix tells apart two relays that reuse a pid on one host.
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+            & 0xffff_ffff;
+        Identity {
+            relay_id: format!("{host}:{pid}:{random:08x}"),
+            host: host.clone(),
+            pid: pid as i32,
+            connection_name: format!("outbox-relay@{host}:{pid}"),
+        }
+    }
+}
+
+fn hostname() -> String {
+    ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok())
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Exponential delays with jitter for reconnects and retries of database operations.
+#[derive(Debug)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    pub fn new(min: Duration, max: Duration) -> Backoff {
+        Backoff {
+            min,
+            max,
+            attempt: 0,
+        }
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        self.attempt = self.attempt.saturating_add(1);
+        retry_delay(self.attempt as i32, self.min, self.max)
+    }
+
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+/// The delay before attempt `attempts + 1`: `min` doubling per attempt up to `max`, with
+/// jitter (backon's exponential backoff).
+pub fn retry_delay(attempts: i32, min: Duration, max: Duration) -> Duration {
+    use backon::BackoffBuilder;
+    let n = attempts.clamp(1, 64) as usize;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(min)
+        .with_max_delay(max)
+        .with_jitter()
+        .without_max_times()
+        .build()
+        .nth(n - 1)
+        .unwrap_or(max)
+        .min(max)
+}
+
+/// Rows fetched in one claim that mark the relay as busy: it turns the insert wake-up off
+/// and polls back to back until a poll comes back empty.
+const BUSY_CLAIM_ROWS: usize = 64;
+/// Most rows of one key per claim.
+const MAX_PER_KEY: usize = 64;
+
+/// Runs the relay until `shutdown` is cancelled, then drains in-flight confirms (up to
+/// `config.shutdown_timeout`), marks what was acked and returns.
+pub async fn run(
+    deps: Deps,
+    config: RelayConfig,
+    shutdown: CancellationToken,
+) -> Result<(), RelayError> {
+    run_as(deps, config, Identity::of_this_process(), shutdown).await
+}
+
+const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint)') IS NOT NULL";
+
+/// [`run`] with an explicit identity (tests run several relays in one process).
+pub async fn run_as(
+    deps: Deps,
+    config: RelayConfig,
+    id: Identity,
+    shutdown: CancellationToken,
+) -> Result<(), RelayError> {
+    // Fail fast on a schema that was never migrated; everything else is retried.
+    let mut down = Down::new("postgres");
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    loop {
+        let checked = async {
+            let client = deadline(deps.pool.get()).await?;
+            deadline(client.query_one(CHECK_SCHEMA, &[])).await
+        }
+        .await;
+        match checked {
+            Ok(row) if row.get::<_, bool>(0) => break,
+            Ok(_) => return Err(RelayError::NotMigrated(deps.schema.to_string())),
+            Err(e) if e.is_transient() => {
+                let delay = backoff.next_delay();
+                down.failed(&e, delay);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+            Err(e) => return Err(RelayError::Refused(e.to_string())),
+        }
+    }
+    down.recovered();
+    telemetry::relay_started(&id.relay_id, &config.exchange, &deps.amqp, config.listen);
+
+    let (listen_tx, listen_rx) = mpsc::channel(16);
+    let listener_stop = shutdown.child_token();
+    let listener = config.listen.then(|| {
+        tokio::spawn(listen::run(
+            deps.db.clone(),
+            deps.schema.clone(),
+            listen_tx,
+            listener_stop.clone(),
+        ))
+    });
+    let engine = Engine::new(deps, config, id);
+    let result = engine.run(listen_rx, shutdown).await;
+    listener_stop.cancel();
+    if let Some(l) = listener {
+        let _ = l.await;
+    }
+    result
+}
+
+/// Everything that can cause work. One `match` handles them all (`Engine::handle`).
+enum Wake {
+    Shutdown,
+    Done(Box<Done>),
+    Settled(SettledBatch),
+    Listen(ListenEvent),
+    RetryDue(Key),
+    Tick,
+    LeaseTick,
+    SessionLost,
+    Timer,
+}
+
+/// A finished database round trip or AMQP connect.
+enum Done {
+    Claim(ClaimMeta, Result<Claimed, DbError>),
+    Mark(Vec<(Key, Acked)>, Result<u64, DbError>),
+    Failures(Vec<(Key, Failure)>, Result<Vec<(i64, Recorded)>, DbError>),
+    Lease(Instant, Vec<i32>, Result<LeaseRound, DbError>),
+    Wakeup(bool, Result<(), DbError>),
+    Connected(u64, Result<Session, PublishError>),
+}
+
+struct ClaimMeta {
+    limit: usize,
+    per_key: usize,
+}
+
+#[derive(Debug)]
+struct HeldLease {
+    epoch: i64,
+    valid_until: Instant,
+    releasing: bool,
+}
+
+/// A claim pass: chunks with a moving cursor until the scan comes back short; every pass
+/// starts again from the first pending row (no high-water mark across passes).
+#[derive(Debug, Default)]
+struct Pass {
+    cursor: i64,
+    wanted: bool,
+}
+
+/// When an operation that failed may run again.
+struct Retry {
+    backoff: Backoff,
+    not_before: Option<Instant>,
+    down: Down,
+}
+
+impl Retry {
+    fn new(what: &'static str) -> Retry {
+        Retry {
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(10)),
+            not_before: None,
+            down: Down::new(what),
+        }
+    }
+
+    fn ready(&self, now: Instant) -> bool {
+        self.not_before.is_none_or(|t| t <= now)
+    }
+
+    fn failed(&mut self, e: &dyn std::fmt::Display) {
+        let delay = self.backoff.next_delay();
+        self.down.failed(e, delay);
+        self.not_before = Some(Instant::now() + delay);
+    }
+
+    fn ok(&mut self) {
+        self.backoff.reset();
+        self.not_before = None;
+        self.down.recovered();
+    }
+}
+
+struct Engine {
+    cfg: RelayConfig,
+    deps: Deps,
+    id: Identity,
+    hand: Hand,
+    leases: HashMap<u8, HeldLease>,
+    release_next: Vec<i32>,
+    registered: bool,
+    session: Option<Session>,
+    generation: u64,
+    connecting: bool,
+    amqp: Retry,
+    settled_tx: mpsc::UnboundedSender<SettledBatch>,
+    pass: Pass,
+    claim_busy: bool,
+    claim_retry: Retry,
+    marks: Vec<(Key, Acked)>,
+    mark_busy: bool,
+    mark_retry: Retry,
+    failures: Vec<(Key, Failure)>,
+    failure_busy: bool,
+    failure_retry: Retry,
+    lease_busy: bool,
+    wakeup_wanted: bool,
+    wakeup_db: Option<bool>,
+    wakeup_busy: bool,
+    ops: FuturesUnordered<BoxFuture<'static, Done>>,
+    retries: DelayQueue<Key>,
+    stopping: Option<Instant>,
+}
+
+impl Engine {
+    fn new(deps: Deps, cfg: RelayConfig, id: Identity) -> Engine {
+        let (settled_tx, _) = mpsc::unbounded_channel();
+        Engine {
+            wakeup_wanted: cfg.listen,
+            cfg,
+            deps,
+            id,
+            hand: Hand::default(),
+            leases: HashMap::new(),
+            release_next: Vec::new(),
+            registered: false,
+            session: None,
+            generation: 0,
+            connecting: false,
+            amqp: Retry::new("rabbitmq"),
+            settled_tx,
+            pass: Pass {
+                cursor: 0,
+                wanted: true,
+            },
+            claim_busy: false,
+            claim_retry: Retry::new("claim"),
+            marks: Vec::new(),
+            mark_busy: false,
+            mark_retry: Retry::new("mark dispatched"),
+            failures: Vec::new(),
+            failure_busy: false,
+            failure_retry: Retry::new("record failures"),
+            lease_busy: false,
+            wakeup_db: None,
+            wakeup_busy: false,
+            ops: FuturesUnordered::new(),
+            retries: DelayQueue::new(),
+            stopping: None,
+        }
+    }
+
+    async fn run(
+        mut self,
+        mut listen_rx: mpsc::Receiver<ListenEvent>,
+        shutdown: CancellationToken,
+    ) -> Result<(), RelayError> {
+        let (settled_tx, mut settled_rx) = mpsc::unbounded_channel();
+        self.settled_tx = settled_tx;
+        let mut tick = tokio::time::interval(self.cfg.poll_interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut lease_tick = tokio::time::interval(self.cfg.lease / 3);
+        lease_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut fatal = None;
+
+        loop {
+            if let Err(e) = self.pump() {
+                fatal = Some(e);
+                break;
+            }
+            if self.finished() {
+                break;
+            }
+            let timer = self.next_deadline();
+            let wake = tokio::select! {
+                biased;
+                _ = shutdown.cancelled(), if self.stopping.is_none() => Wake::Shutdown,
+                Some(batch) = settled_rx.recv() => Wake::Settled(batch),
+                Some(done) = self.ops.next(), if !self.ops.is_empty() => Wake::Done(Box::new(done)),
+                _ = lost(&self.session), if self.session.as_ref().is_some_and(|_| true) => Wake::SessionLost,
+                Some(ev) = listen_rx.recv() => Wake::Listen(ev),
+                Some(expired) = self.retries.next(), if !self.retries.is_empty() => Wake::RetryDue(expired.into_inner()),
+                _ = tick.tick() => Wake::Tick,
+                _ = lease_tick.tick() => Wake::LeaseTick,
+                _ = sleep_until(timer) => Wake::Timer,
+            };
+            if let Err(e) = self.handle(wake, &mut settled_rx) {
+                fatal = Some(e);
+                break;
+            }
+        }
+        self.finish().await;
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Stopping, and nothing is left to wait for (or the shutdown timeout passed).
+    fn finished(&self) -> bool {
+        let Some(deadline) = self.stopping else {
+            return false;
+        };
+        let idle = self.hand.in_flight() == 0
+            && self.marks.is_empty()
+            && !self.mark_busy
+            && self.failures.is_empty()
+            && !self.failure_busy;
+        idle || self.session.is_none() && self.marks.is_empty() && !self.mark_busy
+            || Instant::now() >= deadline
+    }
+
+    async fn finish(&mut self) {
+        telemetry::shutdown_finished(
+            self.hand.in_flight(),
+            self.marks.len() + self.hand.awaiting_mark(),
+        );
+        if self.stopping.is_some() {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(3),
+                claim::leave(&self.deps.pool, &self.id.relay_id),
+            )
+            .await;
+        }
+        if let Some(session) = self.session.take() {
+            session.close().await;
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut consider = |t: Option<Instant>| {
+            if let Some(t) = t {
+                next = Some(next.map_or(t, |n| n.min(t)));
+            }
+        };
+        if self.session.is_none() && !self.connecting {
+            consider(self.amqp.not_before);
+        }
+        if self.pass.wanted {
+            consider(self.claim_retry.not_before);
+        }
+        if !self.marks.is_empty() {
+            consider(self.mark_retry.not_before);
+        }
+        if !self.failures.is_empty() {
+            consider(self.failure_retry.not_before);
+        }
+        consider(self.leases.values().map(|l| l.valid_until).min());
+        consider(self.stopping);
+        next
+    }
+
+    /// Starts whatever is due: connect, publish, claim, mark, record, wake-up flag.
+    fn pump(&mut self) -> Result<(), RelayError> {
+        let now = Instant::now();
+        self.expire_leases(now);
+
+        if self.session.is_none()
+            && !self.connecting
+            && self.stopping.is_none()
+            && self.amqp.ready(now)
+        {
+            self.connecting = true;
+            self.generation += 1;
+            let generation = self.generation;
+            let target = self.deps.amqp.clone();
+            let config = SessionConfig {
+                exchange: self.cfg.exchange.clone(),
+                declare_exchange: self.cfg.declare_exchange,
+                channels: self.cfg.channels.get(),
+                confirm_timeout: self.cfg.confirm_timeout,
+                connection_name: self.id.connection_name.clone(),
+            };
+            let tx = self.settled_tx.clone();
+            self.ops.push(
+                async move {
+                    Done::Connected(
+                        generation,
+                        Session::open(&target, &config, generation, tx).await,
+                    )
+                }
+                .boxed(),
+            );
+        }
+
+        if self.stopping.is_none() {
+            self.publish_ready(now);
+            self.start_claim(now);
+        }
+
+        if !self.mark_busy && !self.marks.is_empty() && self.mark_retry.ready(now) {
+            self.mark_busy = true;
+            let batch = std::mem::take(&mut self.marks);
+            let pool = self.deps.pool.clone();
+            self.ops.push(
+                async move {
+                    let result = claim::mark_dispatched(&pool, batch.iter().map(|(_, a)| a)).await;
+                    Done::Mark(batch, result)
+                }
+                .boxed(),
+            );
+        }
+
+        if !self.failure_busy && !self.failures.is_empty() && self.failure_retry.ready(now) {
+            self.failure_busy = true;
+            let batch = std::mem::take(&mut self.failures);
+            let pool = self.deps.pool.clone();
+            let max = self.cfg.max_attempts.get().min(i32::MAX as u32) as i32;
+            self.ops.push(
+                async move {
+                    let failures: Vec<Failure> = batch.iter().map(|(_, f)| f.clone()).collect();
+                    let result = claim::record_failures(&pool, &failures, max).await;
+                    Done::Failures(batch, result)
+                }
+                .boxed(),
+            );
+        }
+
+        if self.cfg.listen
+            && self.registered
+            && !self.wakeup_busy
+            && self.stopping.is_none()
+            && self.wakeup_db != Some(self.wakeup_wanted)
+        {
+            self.wakeup_busy = true;
+            let wanted = self.wakeup_wanted;
+            let pool = self.deps.pool.clone();
+            let relay_id = self.id.relay_id.clone();
+            self.ops.push(async move { Done::Wakeup(wanted, claim::set_wakeup(&pool, &relay_id, wanted).await) }.boxed());
+        }
+        Ok(())
+    }
+
+    fn sendable(leases: &HashMap<u8, HeldLease>, now: Instant, partition: u8) -> bool {
+        leases
+            .get(&partition)
+            .is_some_and(|l| !l.releasing && l.valid_until > now)
+    }
+
+    fn publish_ready(&mut self, now: Instant) {
+        let Some(session) = self.session.as_ref() else {
+            return;
+        };
+        if session.is_lost() {
+            return;
+        }
+        let window = self.cfg.confirm_window.get();
+        let max_message = self.cfg.max_message_bytes.get();
+        while self.hand.in_flight() < window {
+            let leases = &self.leases;
+            let Some(row) = self.hand.next_ready(|p| Engine::sendable(leases, now, p)) else {
+                break;
+            };
+            let (key, id, partition) = (Key::of(row), row.id, row.partition);
+            match publish::prepare(row, max_message) {
+                Ok(message) => session.publish(partition, message),
+                Err(refusal) => {
+                    self.hand.refuse(&key, id);
+                    self.failures.push((
+                        key,
+                        Failure {
+                            id,
+                            kind: FailureKind::ParkNow,
+                            reason: refusal.to_string(),
+                        },
+                    ));
+                }
+            }
+        }
+    }
+
+    fn start_claim(&mut self, now: Instant) {
+        if self.claim_busy
+            || !self.pass.wanted
+            || self.session.is_none()
+            || self.leases.is_empty()
+            || !self.claim_retry.ready(now)
+        {
+            return;
+        }
+        let batch = self.cfg.batch_size.get();
+        let max_held = batch * 2 + self.cfg.confirm_window.get();
+        let room = max_held.saturating_sub(self.hand.rows());
+        let bytes_room = self
+            .cfg
+            .max_in_memory_bytes
+            .get()
+            .saturating_sub(self.hand.bytes());
+        if room < (batch / 4).max(1) && self.hand.rows() > 0 || bytes_room == 0 {
+            return; // full: claims resume as rows are marked
+        }
+        let limit = room.min(batch);
+        let per_key = MAX_PER_KEY.min(limit);
+        self.claim_busy = true;
+        self.pass.wanted = false;
+        self.hand.claim_started();
+        let pool = self.deps.pool.clone();
+        let relay_id = self.id.relay_id.clone();
+        let after = self.pass.cursor;
+        let block = self.cfg.on_park == OnPark::BlockKey;
+        let max_message = self.cfg.max_message_bytes.get();
+        self.ops.push(
+            async move {
+                let req = claim::ClaimRequest {
+                    relay_id: &relay_id,
+                    after,
+                    limit,
+                    per_key,
+                    block_parked_keys: block,
+                    max_message_bytes: max_message,
+                    max_bytes: bytes_room,
+                };
+                let result = claim::claim(&pool, req).await;
+                Done::Claim(ClaimMeta { limit, per_key }, result)
+            }
+            .boxed(),
+        );
+    }
+
+    fn expire_leases(&mut self, now: Instant) {
+        let expired: Vec<u8> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.valid_until <= now)
+            .map(|(p, _)| *p)
+            .collect();
+        if expired.is_empty() {
+            return;
+        }
+        for p in &expired {
+            self.leases.remove(p);
+            self.hand.drop_partition(*p);
+        }
+        telemetry::leases_changed(self.leases.len(), 0, expired.len(), 0, 0);
+    }
+
+    fn handle(
+        &mut self,
+        wake: Wake,
+        settled_rx: &mut mpsc::UnboundedReceiver<SettledBatch>,
+    ) -> Result<(), RelayError> {
+        match wake {
+            Wake::Shutdown => {
+                telemetry::shutdown_started(self.hand.in_flight());
+                self.stopping = Some(Instant::now() + self.cfg.shutdown_timeout);
+            }
+            Wake::Done(done) => return self.done(*done),
+            Wake::Settled(batch) => self.settled(batch),
+            Wake::Listen(ListenEvent::Connected | ListenEvent::Notified) => self.pass.wanted = true,
+            Wake::Listen(ListenEvent::Lost) => {}
+            Wake::RetryDue(key) => self.hand.retry_due(&key),
+            Wake::Tick => self.pass.wanted = true,
+            Wake::LeaseTick => self.start_lease(),
+            Wake::SessionLost => {
+                // Decisions the lanes made before the loss still count.
+                while let Ok(batch) = settled_rx.try_recv() {
+                    self.settled(batch);
+                }
+                self.session_lost();
+            }
+            Wake::Timer => {}
+        }
+        Ok(())
+    }
+
+    fn session_lost(&mut self) {
+        let Some(session) = self.session.take() else {
+            return;
+        };
+        let in_flight = self.hand.in_flight_rows();
+        telemetry::amqp_session_lost(session.generation(), in_flight.len());
+        for (key, id) in in_flight {
+            self.hand.failed(&key, id);
+            self.failures.push((
+                key,
+                Failure {
+                    id,
+                    kind: FailureKind::Transient,
+                    reason: "amqp connection lost before the broker confirmed".into(),
+                },
+            ));
+        }
+        self.amqp.failed(&"session lost");
+        tokio::spawn(session.close());
+    }
+
+    fn start_lease(&mut self) {
+        if self.lease_busy {
+            return;
+        }
+        self.lease_busy = true;
+        let pool = self.deps.pool.clone();
+        let id = self.id.clone();
+        let lease_secs = self.cfg.lease.as_secs_f64();
+        let release = std::mem::take(&mut self.release_next);
+        let acquire = self.stopping.is_none();
+        let wants_wakeup = self.cfg.listen;
+        self.ops.push(
+            async move {
+                let sent = Instant::now();
+                let req = claim::LeaseRequest {
+                    relay_id: &id.relay_id,
+                    host: &id.host,
+                    pid: id.pid,
+                    lease_secs,
+                    release: release.clone(),
+                    acquire,
+                    wants_wakeup,
+                };
+                let result = claim::lease(&pool, &req).await;
+                Done::Lease(sent, release, result)
+            }
+            .boxed(),
+        );
+    }
+
+    fn done(&mut self, done: Done) -> Result<(), RelayError> {
+        match done {
+            Done::Connected(generation, result) => {
+                self.connecting = false;
+                match result {
+                    Ok(session) if generation == self.generation && self.stopping.is_none() => {
+                        self.amqp.ok();
+                        telemetry::amqp_connected(generation, self.cfg.channels.get());
+                        self.session = Some(session);
+                        self.pass.wanted = true;
+                    }
+                    Ok(session) => {
+                        tokio::spawn(session.close());
+                    }
+                    Err(e) => self.amqp.failed(&e),
+                }
+            }
+            Done::Claim(meta, result) => {
+                self.claim_busy = false;
+                match result {
+                    Ok(claimed) => {
+                        self.claim_retry.ok();
+                        self.claimed(meta, claimed);
+                    }
+                    Err(e) => {
+                        self.hand.claim_returned(Vec::new(), &HashSet::new());
+                        self.pass = Pass {
+                            cursor: 0,
+                            wanted: true,
+                        };
+                        self.check_fatal(&e)?;
+                        self.claim_retry.failed(&e);
+                    }
+                }
+            }
+            Done::Mark(batch, result) => {
+                self.mark_busy = false;
+                match result {
+                    Ok(changed) => {
+                        self.mark_retry.ok();
+                        telemetry::rows_marked(batch.len(), changed);
+                        self.hand
+                            .marked(batch.iter().map(|(_, a)| (a.row_id(), a.body_bytes())));
+                    }
+                    Err(e) => {
+                        self.check_fatal(&e)?;
+                        self.mark_retry.failed(&e);
+                        let mut batch = batch;
+                        batch.append(&mut self.marks);
+                        self.marks = batch;
+                    }
+                }
+            }
+            Done::Failures(batch, result) => {
+                self.failure_busy = false;
+                match result {
+                    Ok(recorded) => {
+                        self.failure_retry.ok();
+                        self.recorded(batch, recorded);
+                    }
+                    Err(e) => {
+                        self.check_fatal(&e)?;
+                        self.failure_retry.failed(&e);
+                        let mut batch = batch;
+                        batch.append(&mut self.failures);
+                        self.failures = batch;
+                    }
+                }
+            }
+            Done::Lease(sent, released, result) => {
+                self.lease_busy = false;
+                match result {
+                    Ok(round) => self.leased(sent, round),
+                    Err(e) => {
+                        self.check_fatal(&e)?;
+                        // Give back next round what we meant to give back now.
+                        self.release_next.extend(released);
+                        tracing::warn!(target: "outbox_relay", error = %e, "lease renewal failed; partitions stop when their lease runs out");
+                    }
+                }
+            }
+            Done::Wakeup(wanted, result) => {
+                self.wakeup_busy = false;
+                match result {
+                    Ok(()) => {
+                        telemetry::wakeup_hint(wanted);
+                        self.wakeup_db = Some(wanted);
+                        if wanted {
+                            // Close the race with a producer that committed while the hint
+                            // was off: poll once more now that it is on.
+                            self.pass.wanted = true;
+                        }
+                    }
+                    Err(e) => {
+                        self.check_fatal(&e)?;
+                        tracing::debug!(target: "outbox_relay", error = %e, "wake-up flag not written; trying again");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Transient database errors are retried by the caller; others end the relay.
+    fn check_fatal(&self, e: &DbError) -> Result<(), RelayError> {
+        if e.is_transient() {
+            return Ok(());
+        }
+        if let DbError::Postgres(pg) = e
+            && pg
+                .code()
+                .is_some_and(|c| c.code() == "42883" || c.code() == "42P01")
+        {
+            return Err(RelayError::NotMigrated(self.deps.schema.to_string()));
+        }
+        Err(RelayError::Refused(e.to_string()))
+    }
+
+    fn claimed(&mut self, meta: ClaimMeta, claimed: Claimed) {
+        let mut per_key: HashMap<Key, usize> = HashMap::new();
+        for row in &claimed.rows {
+            *per_key.entry(Key::of(row)).or_default() += 1;
+        }
+        let full: HashSet<Key> = per_key
+            .into_iter()
+            .filter(|(_, n)| *n >= meta.per_key)
+            .map(|(k, _)| k)
+            .collect();
+        let new = self.hand.claim_returned(claimed.rows, &full);
+        telemetry::claimed(new, claimed.scanned, self.hand.rows());
+        if claimed.scanned >= meta.limit {
+            // The scan window was full: the pass goes on from where it stopped.
+            self.pass = Pass {
+                cursor: claimed.scanned_to,
+                wanted: true,
+            };
+        } else {
+            // The pass is complete. Start another at once if this one found work.
+            self.pass = Pass {
+                cursor: 0,
+                wanted: new > 0,
+            };
+            if new == 0 {
+                self.wakeup_wanted = self.cfg.listen;
+            }
+        }
+        if new >= BUSY_CLAIM_ROWS {
+            self.wakeup_wanted = false;
+        }
+    }
+
+    fn settled(&mut self, (generation, batch): SettledBatch) {
+        if self
+            .session
+            .as_ref()
+            .is_none_or(|s| s.generation() != generation)
+        {
+            return; // a lost session's late reports; its rows were failed already
+        }
+        let mut counts = SettledCounts::default();
+        for s in batch {
+            let (reason, kind) = match s.outcome {
+                Outcome::Acked(acked) => {
+                    counts.acked += 1;
+                    if self.hand.acked(&s.key, s.row_id).wants_claim {
+                        self.pass.wanted = true;
+                    }
+                    self.marks.push((s.key, acked));
+                    continue;
+                }
+                Outcome::Returned {
+                    reply_code,
+                    reply_text,
+                } => {
+                    counts.returned += 1;
+                    let rk = self
+                        .hand
+                        .head(&s.key, s.row_id)
+                        .map(|r| r.routing_key.clone())
+                        .unwrap_or_default();
+                    (
+                        format!(
+                            "unroutable: exchange '{}' has no queue bound for routing key '{rk}' ({reply_code} {reply_text})",
+                            self.cfg.exchange
+                        ),
+                        FailureKind::Permanent,
+                    )
+                }
+                Outcome::Nacked => {
+                    counts.nacked += 1;
+                    ("nacked by the broker".to_owned(), FailureKind::Transient)
+                }
+                Outcome::TimedOut => {
+                    counts.timed_out += 1;
+                    (
+                        format!("no confirm within {:?}", self.cfg.confirm_timeout),
+                        FailureKind::Transient,
+                    )
+                }
+                Outcome::Lost(why) => {
+                    counts.lost += 1;
+                    (
+                        format!("channel lost before the confirm: {why}"),
+                        FailureKind::Transient,
+                    )
+                }
+            };
+            self.hand.failed(&s.key, s.row_id);
+            self.failures.push((
+                s.key,
+                Failure {
+                    id: s.row_id,
+                    kind,
+                    reason,
+                },
+            ));
+        }
+        telemetry::batch_settled(counts);
+    }
+
+    fn recorded(&mut self, batch: Vec<(Key, Failure)>, recorded: Vec<(i64, Recorded)>) {
+        let now = Instant::now();
+        for ((key, failure), (_, rec)) in batch.into_iter().zip(recorded) {
+            match rec {
+                Recorded::Pending { attempts } => {
+                    self.hand.wait_retry(&key, failure.id);
+                    let at = Hand::retry_at(attempts, self.cfg.retry_min, self.cfg.retry_max, now);
+                    self.retries.insert_at(key, at.into());
+                }
+                Recorded::Parked => {
+                    telemetry::row_parked(
+                        failure.id,
+                        &key.aggregate_type,
+                        &key.aggregate_id,
+                        &failure.reason,
+                    );
+                    let keep_going = self.cfg.on_park == OnPark::Continue;
+                    if self.hand.parked(&key, failure.id, keep_going).wants_claim {
+                        self.pass.wanted = true;
+                    }
+                    if !keep_going {
+                        self.pass.wanted = true;
+                    }
+                }
+                Recorded::Gone => {
+                    if self.hand.gone(&key, failure.id).wants_claim {
+                        self.pass.wanted = true;
+                    }
+                }
+            }
+        }
+    }
+
+    fn leased(&mut self, sent: Instant, round: LeaseRound) {
+        self.registered = true;
+        let valid_until = sent + self.cfg.lease.mul_f64(0.9);
+        let mut gained = 0;
+        let held: HashSet<u8> = round.held.iter().map(|l| l.partition).collect();
+        let lost: Vec<u8> = self
+            .leases
+            .keys()
+            .filter(|p| !held.contains(p))
+            .copied()
+            .collect();
+        for p in &lost {
+            self.leases.remove(p);
+            self.hand.drop_partition(*p);
+        }
+        for lease in &round.held {
+            match self.leases.get_mut(&lease.partition) {
+                Some(l) if l.epoch == lease.epoch => l.valid_until = valid_until,
+                Some(_) | None => {
+                    // New, or lost and taken back meanwhile: start clean.
+                    self.hand.drop_partition(lease.partition);
+                    self.leases.insert(
+                        lease.partition,
+                        HeldLease {
+                            epoch: lease.epoch,
+                            valid_until,
+                            releasing: false,
+                        },
+                    );
+                    gained += 1;
+                }
+            }
+        }
+        // Give back what is above the fair share, once it has nothing in flight.
+        let releasing = self.leases.values().filter(|l| l.releasing).count();
+        let excess = self.leases.len().saturating_sub(round.fair_share.max(1));
+        if excess > releasing {
+            let mut candidates: Vec<u8> = self
+                .leases
+                .iter()
+                .filter(|(_, l)| !l.releasing)
+                .map(|(p, _)| *p)
+                .collect();
+            candidates.sort_unstable_by(|a, b| b.cmp(a));
+            for p in candidates.into_iter().take(excess - releasing) {
+                if let Some(l) = self.leases.get_mut(&p) {
+                    l.releasing = true;
+                }
+                self.hand.drop_partition(p);
+            }
+        }
+        let ready: Vec<u8> = self
+            .leases
+            .iter()
+            .filter(|(p, l)| l.releasing && !self.hand.busy_in_partition(**p))
+            .map(|(p, _)| *p)
+            .collect();
+        for p in ready {
+            self.release_next.push(p as i32);
+        }
+        if gained > 0 {
+            self.pass = Pass {
+                cursor: 0,
+                wanted: true,
+            };
+        }
+        if gained > 0 || !lost.is_empty() {
+            telemetry::leases_changed(
+                self.leases.len(),
+                gained,
+                lost.len(),
+                round.fair_share,
+                round.relays_alive,
+            );
+        }
+    }
+}
+
+async fn lost(session: &Option<Session>) {
+    match session {
+        Some(s) => s.lost().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,879 @@
+//! Publishing to RabbitMQ with publisher confirms. The only module that knows lapin.
+//!
+//! A [`Session`] is one AMQP connection with `--channels` lanes; each lane is a task that
+//! owns a confirm-mode channel, publishes what the engine hands it and reports, per row,
+//! how the broker settled it ([`Outcome`]).
+//!
+//! Invariant (the core one): a row is reported [`Outcome::Acked`] only for a broker ack
+//! with no return for that row, matched by message_id. lapin pairs a returned message with
+//! whichever confirm it resolves next (FIFO, and in hash order within a multiple-ack), so
+//! the returned message a confirm carries may belong to another row. The lane therefore:
+//! - records every returned message by its message_id, whatever confirm carried it;
+//! - decides a round of confirms only after draining every confirm already resolved, so
+//!   all confirms resolved before a given one are seen with it;
+//! - treats an ack that carried nothing as clean unless its message_id was returned: at
+//!   its resolution lapin's queue of returns was empty, so its own return, which always
+//!   precedes its ack, was already handed to an earlier confirm that this lane has seen;
+//! - holds an ack that carried another row's return as a suspect (its own return may still
+//!   be queued) until a later round sees a confirm that carried nothing, and sends a probe
+//!   (a message to an unbound routing key of the default exchange, not mandatory) when no
+//!   other confirm would come;
+//! - after a confirm timeout or channel error reports every later confirm as lost and
+//!   ends: lapin may hand a return to a confirm we no longer watch.
+//!
+//! Only this module can construct [`Acked`], the value that marks rows dispatched.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::{FutureExt, future::BoxFuture};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use lapin::uri::AMQPUri;
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::claim::ClaimedRow;
+use super::hand::Key;
+
+/// Where the broker is. Debug and Display never show the password.
+#[derive(Clone)]
+pub struct AmqpTarget {
+    uri: AMQPUri,
+}
+
+impl fmt::Debug for AmqpTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AmqpTarget({self})")
+    }
+}
+
+impl fmt::Display for AmqpTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scheme = match self.uri.scheme {
+            lapin::uri::AMQPScheme::AMQP => "amqp",
+            lapin::uri::AMQPScheme::AMQPS => "amqps",
+        };
+        let a = &self.uri.authority;
+        write!(
+            f,
+            "{scheme}://{}@{}:{}/{}",
+            a.userinfo.username, a.host, a.port, self.uri.vhost
+        )
+    }
+}
+
+impl AmqpTarget {
+    pub fn parse(raw: &str) -> Result<AmqpTarget, String> {
+        if !(raw.starts_with("amqp://") || raw.starts_with("amqps://")) {
+            return Err("must start with amqp:// or amqps://".into());
+        }
+        let mut uri = AMQPUri::from_str(raw).map_err(|e| format!("not a valid AMQP URL ({e})"))?;
+        if uri.authority.host.is_empty() {
+            return Err("names no host; write it like amqp://user:pass@host:5672/%2f".into());
+        }
+        // A dead peer must be noticed: heartbeats every 10 s unless the URL says otherwise.
+        uri.query.heartbeat.get_or_insert(10);
+        uri.query.connection_timeout.get_or_insert(10_000);
+        Ok(AmqpTarget { uri })
+    }
+
+    /// The same broker with other credentials or vhost is not needed; tests use this to
+    /// point at another port (a proxy).
+    pub fn with_port(&self, port: u16) -> AmqpTarget {
+        let mut t = self.clone();
+        t.uri.authority.port = port;
+        t
+    }
+
+    pub fn port(&self) -> u16 {
+        self.uri.authority.port
+    }
+
+    /// Opens a plain connection (for tests and the consumer side).
+    pub async fn connect(&self, name: &str) -> Result<Connection, PublishError> {
+        let props = ConnectionProperties::default().with_connection_name(name.into());
+        let conn = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            Connection::connect_uri(self.uri.clone(), props),
+        )
+        .await
+        .map_err(|_| PublishError::Timeout("connect"))??;
+        Ok(conn)
+    }
+}
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+const RPC_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Exchange names the relay accepts: 1-255 bytes of letters, digits, `-`, `_`, `.`, `:`.
+pub fn validate_exchange(name: &str) -> Result<String, String> {
+    if name.is_empty() || name.len() > 255 {
+        return Err("must be 1 to 255 characters (the default exchange cannot be used)".into());
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+    {
+        return Err(format!(
+            "'{name}' may only contain letters, digits, '-', '_', '.' and ':'"
+        ));
+    }
+    Ok(name.to_owned())
+}
+
+/// An AMQP failure at the module boundary.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// The connection or a channel failed.
+    #[error("rabbitmq: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The broker did not answer in time.
+    #[error("rabbitmq: no answer to {0} in time")]
+    Timeout(&'static str),
+}
+
+async fn rpc<T>(
+    what: &'static str,
+    fut: impl Future<Output = lapin::Result<T>>,
+) -> Result<T, PublishError> {
+    match tokio::time::timeout(RPC_TIMEOUT, fut).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(PublishError::Timeout(what)),
+    }
+}
+
+/// A broker ack without a return for this row. Only this module makes them; marking rows
+/// dispatched takes nothing else.
+#[derive(Debug)]
+pub struct Acked {
+    row_id: i64,
+    body_bytes: usize,
+}
+
+impl Acked {
+    pub fn row_id(&self) -> i64 {
+        self.row_id
+    }
+
+    pub fn body_bytes(&self) -> usize {
+        self.body_bytes
+    }
+}
+
+/// How the broker settled one published row.
+#[derive(Debug)]
+pub enum Outcome {
+    Acked(Acked),
+    /// Unroutable: no queue is bound for the routing key.
+    Returned {
+        reply_code: u16,
+        reply_text: String,
+    },
+    Nacked,
+    TimedOut,
+    /// The channel or connection failed before the row was confirmed.
+    Lost(String),
+}
+
+#[derive(Debug)]
+pub struct Settled {
+    pub row_id: i64,
+    pub key: Key,
+    pub outcome: Outcome,
+}
+
+/// Why a row cannot be published as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    TooLarge { bytes: usize, limit: usize },
+    BadHeader(String),
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::TooLarge { bytes, limit } => write!(
+                f,
+                "message too large: {bytes} bytes, more than --max-message-bytes {limit}"
+            ),
+            Refusal::BadHeader(why) => write!(f, "refused header: {why}"),
+        }
+    }
+}
+
+/// A message ready to publish (lapin's types stay in this module).
+pub struct Prepared {
+    row_id: i64,
+    key: Key,
+    event_id: String,
+    routing_key: ShortString,
+    body: Arc<str>,
+    body_bytes: usize,
+    properties: BasicProperties,
+}
+
+const RESERVED_PREFIX: &str = "x-outbox-";
+
+/// Builds the AMQP message for a row, per the contract (README, "Message published").
+pub fn prepare(row: &ClaimedRow, max_message_bytes: usize) -> Result<Prepared, Refusal> {
+    let Some(body) = row.body.clone() else {
+        return Err(Refusal::TooLarge {
+            bytes: row.body_bytes,
+            limit: max_message_bytes,
+        });
+    };
+    let mut size = body.len() + row.routing_key.len() + 128;
+    let user: serde_json::Map<String, Value> = match serde_json::from_str(&row.headers) {
+        Ok(Value::Object(m)) => m,
+        _ => return Err(Refusal::BadHeader("headers are not a JSON object".into())),
+    };
+    let mut headers = FieldTable::default();
+    for (name, value) in user {
+        let upper = name.to_ascii_uppercase();
+        let lower = name.to_ascii_lowercase();
+        if upper == "CC"
+            || upper == "BCC"
+            || lower.starts_with(RESERVED_PREFIX)
+            || lower == "traceparent"
+            || lower == "tracestate"
+        {
+            return Err(Refusal::BadHeader(format!(
+                "'{name}' is a reserved header name"
+            )));
+        }
+        if name.is_empty() || name.len() > 255 {
+            return Err(Refusal::BadHeader(
+                "header names must be 1 to 255 bytes".into(),
+            ));
+        }
+        size += name.len() + json_size(&value);
+        headers.insert(name.into(), amqp_value(value));
+    }
+    let mut put = |name: &str, value: AMQPValue| {
+        headers.insert(name.into(), value);
+    };
+    put("x-outbox-aggregate-type", long_string(&row.aggregate_type));
+    put("x-outbox-aggregate-id", long_string(&row.aggregate_id));
+    put("x-outbox-seq", AMQPValue::LongLongInt(row.seq));
+    put("x-outbox-created-at", long_string(&row.created_text));
+    if let Some(tp) = &row.traceparent {
+        put("traceparent", long_string(tp));
+    }
+    if let Some(ts) = &row.tracestate {
+        put("tracestate", long_string(ts));
+    }
+    size += row.aggregate_type.len() + row.aggregate_id.len() + 128;
+    size += row.traceparent.as_ref().map_or(0, String::len)
+        + row.tracestate.as_ref().map_or(0, String::len);
+    if size > max_message_bytes {
+        return Err(Refusal::TooLarge {
+            bytes: size,
+            limit: max_message_bytes,
+        });
+    }
+    for (what, s) in [
+        ("routing key", &row.routing_key),
+        ("event_type", &row.event_type),
+    ] {
+        if s.len() > 255 {
+            return Err(Refusal::BadHeader(format!(
+                "{what} is longer than 255 bytes"
+            )));
+        }
+    }
+    let event_id = row.event_id.to_string();
+    let properties = BasicProperties::default()
+        .with_message_id(event_id.as_str().into())
+        .with_content_type("application/json".into())
+        .with_type(row.event_type.as_str().into())
+        .with_timestamp(row.created_unix.max(0) as u64)
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    Ok(Prepared {
+        row_id: row.id,
+        key: Key::of(row),
+        event_id,
+        routing_key: row.routing_key.as_str().into(),
+        body_bytes: row.body_bytes,
+        body,
+        properties,
+    })
+}
+
+fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+fn json_size(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len() + 5,
+        Value::Array(a) => a.iter().map(json_size).sum::<usize>() + 5,
+        Value::Object(o) => {
+            o.iter()
+                .map(|(k, v)| k.len() + 1 + json_size(v))
+                .sum::<usize>()
+                + 5
+        }
+        _ => 9,
+    }
+}
+
+fn amqp_value(v: Value) -> AMQPValue {
+    match v {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => AMQPValue::LongLongInt(i),
+            None => AMQPValue::Double(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => AMQPValue::LongString(LongString::from(s.into_bytes())),
+        Value::Array(a) => AMQPValue::FieldArray(FieldArray::from(
+            a.into_iter().map(amqp_value).collect::<Vec<_>>(),
+        )),
+        Value::Object(o) => {
+            let mut t = FieldTable::default();
+            for (k, v) in o {
+                if k.len() <= 255 {
+                    t.insert(k.into(), amqp_value(v));
+                }
+            }
+            AMQPValue::FieldTable(t)
+        }
+    }
+}
+
+/// Settings of one AMQP session.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    pub exchange: String,
+    pub declare_exchange: bool,
+    pub channels: usize,
+    pub confirm_timeout: Duration,
+    pub connection_name: String,
+}
+
+/// A batch of outcomes from one lane of session `generation`.
+pub type SettledBatch = (u64, Vec<Settled>);
+
+/// One AMQP connection and its publishing lanes.
+pub struct Session {
+    conn: Connection,
+    lanes: Vec<mpsc::UnboundedSender<Prepared>>,
+    lost: CancellationToken,
+    generation: u64,
+}
+
+impl Session {
+    /// Connects, declares the exchange (unless told not to) and opens the lanes.
+    pub async fn open(
+        target: &AmqpTarget,
+        config: &SessionConfig,
+        generation: u64,
+        settled: mpsc::UnboundedSender<SettledBatch>,
+    ) -> Result<Session, PublishError> {
+        let conn = target.connect(&config.connection_name).await?;
+        let lost = CancellationToken::new();
+        let setup = async {
+            let ch = rpc("channel.open", conn.create_channel()).await?;
+            let options = ExchangeDeclareOptions {
+                durable: true,
+                passive: !config.declare_exchange,
+                ..ExchangeDeclareOptions::default()
+            };
+            rpc(
+                "exchange.declare",
+                ch.exchange_declare(
+                    config.exchange.as_str().into(),
+                    ExchangeKind::Topic,
+                    options,
+                    FieldTable::default(),
+                ),
+            )
+            .await?;
+            let _ = rpc("channel.close", ch.close(200, "ok".into())).await;
+            let mut lanes = Vec::with_capacity(config.channels);
+            for lane_no in 0..config.channels {
+                let ch = rpc("channel.open", conn.create_channel()).await?;
+                rpc(
+                    "confirm.select",
+                    ch.confirm_select(ConfirmSelectOptions::default()),
+                )
+                .await?;
+                let (tx, rx) = mpsc::unbounded_channel();
+                let lane = Lane {
+                    channel: ch,
+                    exchange: config.exchange.as_str().into(),
+                    probe_key: format!("outbox-relay.probe.{}.{lane_no}", std::process::id())
+                        .into(),
+                    confirm_timeout: config.confirm_timeout,
+                    generation,
+                    settled: settled.clone(),
+                    lost: lost.clone(),
+                };
+                tokio::spawn(lane.run(rx));
+                lanes.push(tx);
+            }
+            Ok::<_, PublishError>(lanes)
+        };
+        let lanes = match setup.await {
+            Ok(lanes) => lanes,
+            Err(e) => {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    conn.close(320, "setup failed".into()),
+                )
+                .await;
+                return Err(e);
+            }
+        };
+        // Connection-level failures (heartbeat timeout, broker closing us) end the session.
+        let events = conn.events_listener();
+        let watch = lost.clone();
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(events);
+            loop {
+                tokio::select! {
+                    _ = watch.cancelled() => return,
+                    ev = events.next() => match ev {
+                        Some(lapin::Event::Error(e)) => {
+                            tracing::debug!(error = %e, "amqp connection error");
+                            watch.cancel();
+                            return;
+                        }
+                        Some(_) => {}
+                        None => { watch.cancel(); return; }
+                    }
+                }
+            }
+        });
+        Ok(Session {
+            conn,
+            lanes,
+            lost,
+            generation,
+        })
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Hands a message to the lane for its partition (a key always uses the same lane).
+    pub fn publish(&self, partition: u8, message: Prepared) {
+        let lane = partition as usize % self.lanes.len();
+        if self.lanes[lane].send(message).is_err() {
+            self.lost.cancel();
+        }
+    }
+
+    /// Resolves when the connection or any lane failed.
+    pub async fn lost(&self) {
+        self.lost.cancelled().await
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_cancelled()
+    }
+
+    /// Closes the connection; lanes report what was in flight as lost.
+    pub async fn close(self) {
+        self.lost.cancel();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(2),
+            self.conn.close(200, "outbox-relay closing".into()),
+        )
+        .await;
+    }
+}
+
+/// What a lane is waiting on for one publish.
+struct Pending {
+    row_id: i64,
+    key: Key,
+    event_id: String,
+    body_bytes: usize,
+}
+
+/// A returned message, reduced to what matching and reporting need.
+struct ReturnInfo {
+    message_id: Option<String>,
+    reply_code: u16,
+    reply_text: String,
+}
+
+enum ConfirmResult {
+    Ack(Option<ReturnInfo>),
+    Nack(Option<ReturnInfo>),
+    NotRequested,
+    Failed(String),
+    TimedOut,
+}
+
+impl ConfirmResult {
+    fn of(c: lapin::Result<Confirmation>) -> ConfirmResult {
+        let info = |m: lapin::message::BasicReturnMessage| ReturnInfo {
+            message_id: m
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str().to_owned()),
+            reply_code: m.reply_code,
+            reply_text: m.reply_text.as_str().to_owned(),
+        };
+        match c {
+            Ok(Confirmation::Ack(m)) => ConfirmResult::Ack(m.map(info)),
+            Ok(Confirmation::Nack(m)) => ConfirmResult::Nack(m.map(info)),
+            Ok(Confirmation::NotRequested) => ConfirmResult::NotRequested,
+            Err(e) => ConfirmResult::Failed(e.to_string()),
+        }
+    }
+
+    fn returned(&self) -> Option<&ReturnInfo> {
+        match self {
+            ConfirmResult::Ack(r) | ConfirmResult::Nack(r) => r.as_ref(),
+            _ => None,
+        }
+    }
+}
+
+struct Resolved {
+    pending: Option<Pending>, // None for a probe
+    result: ConfirmResult,
+    round: u64,
+}
+
+struct Lane {
+    channel: lapin::Channel,
+    exchange: ShortString,
+    probe_key: ShortString,
+    confirm_timeout: Duration,
+    generation: u64,
+    settled: mpsc::UnboundedSender<SettledBatch>,
+    lost: CancellationToken,
+}
+
+type ConfirmFuture = BoxFuture<'static, (Option<Pending>, ConfirmResult)>;
+
+/// Returned messages seen on a lane, by message_id, until the row they belong to settles.
+#[derive(Default)]
+struct Returns {
+    by_id: HashMap<String, (u16, String)>,
+    order: VecDeque<String>,
+}
+
+impl Returns {
+    fn record(&mut self, message: &ReturnInfo) {
+        let Some(id) = message.message_id.clone() else {
+            return;
+        };
+        self.by_id
+            .insert(id.clone(), (message.reply_code, message.reply_text.clone()));
+        self.order.push_back(id);
+        // Returns for rows that already settled otherwise (timed out, lost) are never
+        // claimed; keep a bounded memory of them.
+        while self.order.len() > 100_000 {
+            if let Some(old) = self.order.pop_front() {
+                self.by_id.remove(&old);
+            }
+        }
+    }
+
+    fn take(&mut self, id: &str) -> Option<(u16, String)> {
+        self.by_id.remove(id)
+    }
+}
+
+impl Lane {
+    async fn run(self, mut rx: mpsc::UnboundedReceiver<Prepared>) {
+        let mut in_flight: FuturesUnordered<ConfirmFuture> = FuturesUnordered::new();
+        let mut returns = Returns::default();
+        let mut suspects: Vec<Resolved> = Vec::new();
+        let mut probe_out = false;
+        let mut round: u64 = 0;
+        let mut broken: Option<String> = None;
+        loop {
+            if broken.is_some() {
+                break;
+            }
+            if !suspects.is_empty() && in_flight.is_empty() && !probe_out {
+                match self.send_probe().await {
+                    Ok(fut) => {
+                        in_flight.push(fut);
+                        probe_out = true;
+                    }
+                    Err(e) => broken = Some(e),
+                }
+                continue;
+            }
+            tokio::select! {
+                biased;
+                _ = self.lost.cancelled() => { broken = Some("amqp session closed".into()); }
+                Some((pending, result)) = in_flight.next(), if !in_flight.is_empty() => {
+                    round += 1;
+                    let mut batch = vec![Resolved { pending, result, round }];
+                    while let Some(Some((pending, result))) = in_flight.next().now_or_never() {
+                        batch.push(Resolved { pending, result, round });
+                    }
+                    if batch.iter().any(|r| r.pending.is_none()) {
+                        probe_out = false;
+                    }
+                    let out = self.decide(batch, &mut suspects, &mut returns, &mut broken);
+                    self.send(out);
+                }
+                msg = rx.recv() => match msg {
+                    Some(message) => match self.publish(message).await {
+                        Ok(fut) => in_flight.push(fut),
+                        Err(e) => broken = Some(e),
+                    },
+                    None => { broken = Some("amqp session closed".into()); }
+                }
+            }
+        }
+        // The lane is done. Rows still unsettled are failed by the engine when it sees the
+        // session lost; confirms still outstanding may carry returns we would never see, so
+        // none of them may count as acked.
+        self.lost.cancel();
+        drop(in_flight);
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            self.channel.close(200, "lane closed".into()),
+        )
+        .await;
+    }
+
+    fn send(&self, out: Vec<Settled>) {
+        if !out.is_empty() {
+            let _ = self.settled.send((self.generation, out));
+        }
+    }
+
+    async fn publish(&self, message: Prepared) -> Result<ConfirmFuture, String> {
+        let Prepared {
+            row_id,
+            key,
+            event_id,
+            routing_key,
+            body,
+            body_bytes,
+            properties,
+        } = message;
+        let pending = Pending {
+            row_id,
+            key,
+            event_id,
+            body_bytes,
+        };
+        let options = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let publish = self.channel.basic_publish(
+            self.exchange.clone(),
+            routing_key,
+            options,
+            body.as_bytes(),
+            properties,
+        );
+        let confirm = match tokio::time::timeout(self.confirm_timeout, publish).await {
+            Ok(Ok(confirm)) => confirm,
+            Ok(Err(e)) => return Err(format!("publish failed: {e}")),
+            Err(_) => return Err("publish not written in time".into()),
+        };
+        let timeout = self.confirm_timeout;
+        Ok(async move {
+            let result = match tokio::time::timeout(timeout, confirm).await {
+                Ok(c) => ConfirmResult::of(c),
+                Err(_) => ConfirmResult::TimedOut,
+            };
+            (Some(pending), result)
+        }
+        .boxed())
+    }
+
+    async fn send_probe(&self) -> Result<ConfirmFuture, String> {
+        let options = BasicPublishOptions {
+            mandatory: false,
+            immediate: false,
+        };
+        let publish = self.channel.basic_publish(
+            "".into(),
+            self.probe_key.clone(),
+            options,
+            b"",
+            BasicProperties::default(),
+        );
+        let confirm = match tokio::time::timeout(self.confirm_timeout, publish).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(format!("probe publish failed: {e}")),
+            Err(_) => return Err("probe not written in time".into()),
+        };
+        let timeout = self.confirm_timeout;
+        Ok(async move {
+            let result = match tokio::time::timeout(timeout, confirm).await {
+                Ok(c) => ConfirmResult::of(c),
+                Err(_) => ConfirmResult::TimedOut,
+            };
+            (None, result)
+        }
+        .boxed())
+    }
+
+    /// Settles a round of resolved confirms (see the module docs for the rule).
+    fn decide(
+        &self,
+        batch: Vec<Resolved>,
+        suspects: &mut Vec<Resolved>,
+        returns: &mut Returns,
+        broken: &mut Option<String>,
+    ) -> Vec<Settled> {
+        let round = batch.first().map_or(0, |r| r.round);
+        // First record every return this round carried, whichever confirm carried it.
+        for r in &batch {
+            if let Some(m) = r.result.returned() {
+                returns.record(m);
+            }
+        }
+        let mut out = Vec::new();
+        let mut clean_seen = false;
+        for r in batch {
+            let carried = r.result.returned().is_some();
+            if matches!(
+                r.result,
+                ConfirmResult::Ack(None) | ConfirmResult::Nack(None)
+            ) {
+                clean_seen = true;
+            }
+            let Some(pending) = r.pending.as_ref() else {
+                continue;
+            };
+            let outcome = match &r.result {
+                ConfirmResult::TimedOut => {
+                    *broken = Some("a confirm timed out".into());
+                    Some(Outcome::TimedOut)
+                }
+                ConfirmResult::Failed(e) => {
+                    *broken = Some(e.clone());
+                    Some(Outcome::Lost(e.clone()))
+                }
+                ConfirmResult::NotRequested => {
+                    *broken = Some("channel not in confirm mode".into());
+                    Some(Outcome::Lost("channel not in confirm mode".into()))
+                }
+                ConfirmResult::Nack(_) => Some(Outcome::Nacked),
+                ConfirmResult::Ack(_) => {
+                    if let Some((reply_code, reply_text)) = returns.take(&pending.event_id) {
+                        Some(Outcome::Returned {
+                            reply_code,
+                            reply_text,
+                        })
+                    } else if !carried {
+                        Some(Outcome::Acked(Acked {
+                            row_id: pending.row_id,
+                            body_bytes: pending.body_bytes,
+                        }))
+                    } else {
+                        None // carried another row's return: its own may still be queued
+                    }
+                }
+            };
+            match outcome {
+                Some(outcome) => {
+                    let p = r.pending.expect("checked above");
+                    out.push(Settled {
+                        row_id: p.row_id,
+                        key: p.key,
+                        outcome,
+                    });
+                }
+                None => suspects.push(r),
+            }
+        }
+        // Suspects from earlier rounds: their own return has shown up, or a confirm that
+        // carried nothing resolved after them, which proves no return of theirs is queued.
+        let mut still = Vec::new();
+        for s in suspects.drain(..) {
+            let p = s.pending.as_ref().expect("suspects are rows");
+            if let Some((reply_code, reply_text)) = returns.take(&p.event_id) {
+                let p = s.pending.expect("checked");
+                out.push(Settled {
+                    row_id: p.row_id,
+                    key: p.key,
+                    outcome: Outcome::Returned {
+                        reply_code,
+                        reply_text,
+                    },
+                });
+            } else if clean_seen && s.round < round {
+                let p = s.pending.expect("checked");
+                out.push(Settled {
+                    row_id: p.row_id,
+                    key: p.key,
+                    outcome: Outcome::Acked(Acked {
+                        row_id: p.row_id,
+                        body_bytes: p.body_bytes,
+                    }),
+                });
+            } else {
+                still.push(s);
+            }
+        }
+        *suspects = still;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepare_follows_the_contract() {
+        let mut row = ClaimedRow::for_test(7, "order", "42", 3);
+        row.headers = r#"{"tenant": "acme", "n": 5, "ok": true}"#.into();
+        row.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
+        let p = prepare(&row, 1 << 20).unwrap();
+        assert_eq!(
+            p.properties.message_id().as_ref().unwrap().as_str(),
+            row.event_id.to_string()
+        );
+        assert_eq!(
+            p.properties.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(p.properties.kind().as_ref().unwrap().as_str(), "created");
+        assert_eq!(*p.properties.delivery_mode(), Some(2));
+        let h = p.properties.headers().as_ref().unwrap().inner();
+        assert_eq!(h.get("x-outbox-seq"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(h.get("n"), Some(&AMQPValue::LongLongInt(5)));
+        assert_eq!(h.get("ok"), Some(&AMQPValue::Boolean(true)));
+        assert!(h.contains_key("traceparent"));
+        assert!(h.contains_key("x-outbox-created-at"));
+        assert_eq!(&*p.body, "{}");
+    }
+
+    #[test]
+    fn reserved_headers_and_oversize_are_refused() {
+        let mut row = ClaimedRow::for_test(7, "order", "42", 1);
+        row.headers = r#"{"CC": "other.key"}"#.into();
+        assert!(matches!(prepare(&row, 1 << 20), Err(Refusal::BadHeader(_))));
+        row.headers = r#"{"X-Outbox-Seq": 1}"#.into();
+        assert!(matches!(prepare(&row, 1 << 20), Err(Refusal::BadHeader(_))));
+        row.headers = "{}".into();
+        row.body = None;
+        row.body_bytes = 5_000_000;
+        assert!(matches!(
+            prepare(&row, 1 << 20),
+            Err(Refusal::TooLarge { .. })
+        ));
+        row.body = Some("x".repeat(1000).into());
+        assert!(matches!(prepare(&row, 600), Err(Refusal::TooLarge { .. })));
+    }
+}

@@ -1,0 +1,85 @@
+//! The relay as a real process (for SIGKILL, SIGTERM and SIGSTOP tests).
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+
+pub struct RelayProcess {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+pub fn binary() -> &'static str {
+    env!("CARGO_BIN_EXE_outbox-relay")
+}
+
+impl RelayProcess {
+    /// Starts `outbox-relay run` with `args`; stderr goes to a log file under target/.
+    pub fn start(name: &str, args: &[String]) -> RelayProcess {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new(binary())
+            .arg("run")
+            .args(args)
+            .env("RUST_LOG", "info,outbox_relay=debug,lapin=error")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn outbox-relay");
+        RelayProcess { child, log }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("running")
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{sig}");
+    }
+
+    /// Waits for the process to exit; returns its exit code.
+    pub async fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let status = tokio::time::timeout(limit, self.child.wait())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "relay did not exit within {limit:?}; log: {}",
+                    self.log.display()
+                )
+            })
+            .unwrap();
+        status.code()
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// Runs the binary to completion with `args`; returns (exit code, stdout, stderr).
+pub async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = Command::new(binary())
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .await
+        .expect("run outbox-relay");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
