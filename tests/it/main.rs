@@ -3,4 +3,6 @@
 
 mod support;
 
+mod migrate;
 mod relay_core;
+mod relay_faults;

@@ -120,3 +120,270 @@ async fn ten_thousand_events_arrive_once_with_the_contract() {
         .get::<_, i64>(0);
     assert_eq!(gaps, 0, "every key's seq runs 1..n without gaps or repeats");
 }
+
+/// Interleaved committed and rolled-back producer transactions: only committed rows arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolled_back_rows_are_never_published() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let relay = InProcessRelay::start(&db, test_config(&broker));
+    let mut client = db.client().await;
+    let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
+    for i in 0..40 {
+        let tx = client.transaction().await.unwrap();
+        let ids = db.insert_in(&tx, 25, 5, &format!("t{i}")).await;
+        if i % 2 == 0 {
+            tx.commit().await.unwrap();
+            committed.extend(ids);
+        } else {
+            tx.rollback().await.unwrap();
+            rolled_back.extend(ids);
+        }
+    }
+    broker
+        .wait_count(committed.len(), Duration::from_secs(60))
+        .await;
+    // Let a few more polls pass; nothing else may arrive.
+    let after = db.client().await;
+    crate::support::wait_for("relay idle", Duration::from_secs(10), || async {
+        (db.count(&after, "dispatched_at IS NULL").await == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    let received = broker.received();
+    let report = check(&committed, &received);
+    report.assert_clean();
+    let rolled: std::collections::HashSet<String> =
+        rolled_back.iter().map(|u| u.to_string()).collect();
+    assert!(
+        received.iter().all(|r| !rolled.contains(&r.message_id)),
+        "a rolled-back row was published"
+    );
+}
+
+/// Rows committed while no relay runs are published when one starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_committed_while_stopped_are_published_on_start() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let client = db.client().await;
+    let committed = db.insert(&client, 300, 7).await;
+    let relay = InProcessRelay::start(&db, test_config(&broker));
+    broker.wait_count(300, Duration::from_secs(30)).await;
+    relay.stop().await;
+    check(&committed, &broker.received()).assert_clean();
+}
+
+/// A row whose transaction commits after higher-id rows were published is still published
+/// (no high-water mark on id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_commit_with_lower_id_is_published() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let relay = InProcessRelay::start(&db, test_config(&broker));
+    let mut slow = db.client().await;
+    let fast = db.client().await;
+    let slow_tx = slow.transaction().await.unwrap();
+    let late = db.insert_in(&slow_tx, 1, 1, "late").await;
+    let early = db.insert(&fast, 50, 5).await;
+    broker.wait_count(50, Duration::from_secs(30)).await;
+    let ids: Vec<i64> = fast
+        .query("SELECT id FROM outbox_events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(ids.len() == 50, "the late row is not visible yet");
+    slow_tx.commit().await.unwrap();
+    let late_id: i64 = fast
+        .query_one(
+            "SELECT id FROM outbox_events WHERE event_id = $1",
+            &[&late[0]],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        late_id < ids[ids.len() - 1],
+        "the late row has a lower id than rows already published"
+    );
+    broker.wait_count(51, Duration::from_secs(10)).await;
+    relay.stop().await;
+    let mut all = early;
+    all.extend(late);
+    check(&all, &broker.received()).assert_clean();
+}
+
+/// With a 10 s poll interval an event arrives within 200 ms: the NOTIFY path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_the_relay_long_before_the_poll() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    config.poll_interval = Duration::from_secs(10);
+    let relay = InProcessRelay::start(&db, config);
+    let client = db.client().await;
+    wait_idle_listening(&db, &client).await;
+    for round in 0..3 {
+        let sent = std::time::Instant::now();
+        db.insert(&client, 1, 1).await;
+        broker.wait_count(round + 1, Duration::from_secs(5)).await;
+        let latency = broker.received()[round].at - sent;
+        assert!(
+            latency < Duration::from_millis(200),
+            "round {round}: {latency:?}"
+        );
+    }
+    // Killing the LISTEN connection loses nothing: the relay reconnects and catches up.
+    let killed = db.terminate_relay_connections("outbox-relay-listen").await;
+    assert_eq!(killed, 1);
+    let more = db.insert(&client, 20, 3).await;
+    broker.wait_count(23, Duration::from_secs(15)).await;
+    wait_idle_listening(&db, &client).await;
+    let sent = std::time::Instant::now();
+    db.insert(&client, 1, 1).await;
+    broker.wait_count(24, Duration::from_secs(5)).await;
+    assert!(
+        broker.received()[23].at - sent < Duration::from_millis(200),
+        "LISTEN is back"
+    );
+    relay.stop().await;
+    let received = broker.received();
+    assert!(
+        more.iter()
+            .all(|id| received.iter().any(|r| r.message_id == id.to_string()))
+    );
+}
+
+/// Waits until the relay holds its partitions, has asked for wake-ups and LISTENs.
+async fn wait_idle_listening(db: &TestDb, client: &tokio_postgres::Client) {
+    crate::support::wait_for(
+        "relay idle with LISTEN",
+        Duration::from_secs(20),
+        || async {
+            let row = client
+                .query_one(
+                    "SELECT (SELECT bool_and(wants_wakeup) FROM outbox_relays),
+                        (SELECT count(*) FROM outbox_partitions WHERE owner IS NOT NULL),
+                        (SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                            AND application_name = 'outbox-relay-listen')",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let wants: Option<bool> = row.get(0);
+            let owned: i64 = row.get(1);
+            let listening: i64 = row.get(2);
+            (wants == Some(true) && owned == 64 && listening == 1).then_some(())
+        },
+    )
+    .await;
+    let _ = db;
+}
+
+/// With --no-listen and a 300 ms poll interval, events arrive within about one interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_listen_the_poll_interval_bounds_latency() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    config.listen = false;
+    config.poll_interval = Duration::from_millis(300);
+    let relay = InProcessRelay::start(&db, config);
+    let client = db.client().await;
+    crate::support::wait_for("partitions leased", Duration::from_secs(20), || async {
+        let owned: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_partitions WHERE owner IS NOT NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (owned == 64).then_some(())
+    })
+    .await;
+    let listening: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'outbox-relay-listen'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(listening, 0, "no LISTEN connection with --no-listen");
+    let mut worst = Duration::ZERO;
+    for round in 0..5 {
+        let sent = std::time::Instant::now();
+        db.insert(&client, 1, 1).await;
+        broker.wait_count(round + 1, Duration::from_secs(5)).await;
+        worst = worst.max(broker.received()[round].at - sent);
+    }
+    relay.stop().await;
+    assert!(
+        worst < Duration::from_millis(300 + 250),
+        "worst latency {worst:?} with a 300 ms poll"
+    );
+}
+
+/// An unroutable row is retried, never marked dispatched, parked after max attempts with
+/// the exchange and routing key in its reason; routable rows keep flowing. An oversized row
+/// is parked at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_and_oversized_rows_are_parked_while_others_flow() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("order.#").await;
+    let mut config = test_config(&broker);
+    config.max_attempts = std::num::NonZeroU32::new(3).unwrap();
+    config.max_message_bytes = std::num::NonZeroUsize::new(4096).unwrap();
+    let relay = InProcessRelay::start(&db, config);
+    let client = db.client().await;
+    client
+        .execute(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('ghost', 'g1', 'haunted', '{}'),
+                    ('order', 'big', 'created', jsonb_build_object('blob', repeat('x', 10000)))",
+            &[],
+        )
+        .await
+        .unwrap();
+    let routable = db.insert(&client, 200, 10).await;
+    broker.wait_count(200, Duration::from_secs(30)).await;
+    let row = crate::support::wait_for("ghost row parked", Duration::from_secs(30), || async {
+        client
+            .query_opt(
+                "SELECT attempts, last_error, dispatched_at IS NULL FROM outbox_events
+                  WHERE aggregate_type = 'ghost' AND parked_at IS NOT NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+    })
+    .await;
+    let (attempts, error, undispatched): (i32, String, bool) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(attempts, 3);
+    assert!(undispatched);
+    assert!(
+        error.contains(&broker.exchange) && error.contains("ghost.haunted"),
+        "{error}"
+    );
+    let big = client
+        .query_one(
+            "SELECT attempts, last_error, parked_at IS NOT NULL, dispatched_at IS NULL FROM outbox_events WHERE aggregate_id = 'big'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(big.get::<_, i32>(0), 1, "parked at the first attempt");
+    assert!(big.get::<_, String>(1).contains("too large"));
+    assert!(big.get::<_, bool>(2) && big.get::<_, bool>(3));
+    relay.stop().await;
+    let received = broker.received();
+    check(&routable, &received).assert_clean();
+    assert_eq!(
+        received.len(),
+        200,
+        "neither the ghost nor the big row was delivered"
+    );
+}

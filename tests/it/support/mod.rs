@@ -214,6 +214,28 @@ impl TestDb {
         rows.iter().map(|r| r.get(0)).collect()
     }
 
+    /// Inserts `n` events for `keys` keys (ids prefixed with `prefix`) through `client`,
+    /// which may be a transaction.
+    pub async fn insert_in(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        n: usize,
+        keys: usize,
+        prefix: &str,
+    ) -> Vec<uuid::Uuid> {
+        let rows = client
+            .query(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                 SELECT 'order', $3 || (g % $2), 'created', jsonb_build_object('n', g)
+                   FROM generate_series(1, $1::int) AS g
+                 RETURNING event_id",
+                &[&(n as i32), &(keys as i32), &prefix],
+            )
+            .await
+            .unwrap();
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
     pub async fn count(&self, client: &Client, condition: &str) -> i64 {
         client
             .query_one(

@@ -1,0 +1,112 @@
+//! Migrations: applied once under a lock, checksummed, and usable in any schema.
+
+use std::time::Duration;
+
+use outbox_relay::config::Schema;
+use outbox_relay::schema::{MigrateError, migrate};
+
+use crate::support::checker::check;
+use crate::support::process::run_to_end;
+use crate::support::{Broker, InProcessRelay, TestDb, admin_url, test_config, unique};
+
+async fn empty_db() -> (String, outbox_relay::db::DbTarget) {
+    let name = unique("it");
+    let admin = outbox_relay::db::DbTarget::parse(&admin_url()).unwrap();
+    let client = admin
+        .connect(&Schema::default(), "outbox-it-admin")
+        .await
+        .unwrap();
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    (name.clone(), admin.with_dbname(&name))
+}
+
+/// Two relays migrating a fresh database at once: both succeed, each migration once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_apply_once() {
+    let (_, target) = empty_db().await;
+    let schema = Schema::parse("app").unwrap();
+    let mut a = target.connect(&schema, "m1").await.unwrap();
+    let mut b = target.connect(&schema, "m2").await.unwrap();
+    let (ra, rb) = tokio::join!(migrate(&mut a, &schema), migrate(&mut b, &schema));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(
+        ra.applied.len() + rb.applied.len(),
+        outbox_relay::schema::MIGRATIONS.len()
+    );
+    let again = migrate(&mut a, &schema).await.unwrap();
+    assert!(again.applied.is_empty());
+    assert_eq!(again.already, outbox_relay::schema::MIGRATIONS.len());
+}
+
+/// An applied migration whose checksum no longer matches is refused, by the library and
+/// by `outbox-relay migrate` (exit 1 with the reason).
+#[tokio::test]
+async fn a_changed_migration_is_refused() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .execute(
+            "UPDATE outbox_schema_migrations SET checksum = 'edited' WHERE version = 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut c = db.client().await;
+    match migrate(&mut c, &db.schema).await {
+        Err(MigrateError::Changed { name, .. }) => assert_eq!(name, "0001_outbox.sql"),
+        other => panic!("expected Changed, got {other:?}"),
+    }
+    let (code, _, err) = run_to_end(&["migrate", "--database-url", &db.url()], &[]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("0001_outbox.sql") && err.contains("must not change"),
+        "{err}"
+    );
+}
+
+/// The relay and the SQL producer work in a schema other than public.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_schema_works_end_to_end() {
+    let (name, target) = empty_db().await;
+    let schema = Schema::parse("shop_outbox").unwrap();
+    let (code, out, err) = run_to_end(
+        &[
+            "migrate",
+            "--database-url",
+            &format!("{}/{name}", admin_url().rsplit_once('/').unwrap().0),
+            "--schema",
+            "shop_outbox",
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("applied"), "{out}");
+    let db = TestDb {
+        name,
+        target,
+        schema: schema.clone(),
+    };
+    let broker = Broker::new("#").await;
+    let relay = InProcessRelay::start(&db, test_config(&broker));
+    // A producer whose search_path does not include the schema, using the function.
+    let producer = db
+        .target
+        .connect(&Schema::default(), "producer")
+        .await
+        .unwrap();
+    let id: uuid::Uuid = producer
+        .query_one(
+            "SELECT shop_outbox.outbox_enqueue('cart', 'c1', 'checked_out', '{\"total\": 12}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    broker.wait_count(1, Duration::from_secs(20)).await;
+    relay.stop().await;
+    check(&[id], &broker.received()).assert_clean();
+}
