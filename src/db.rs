@@ -38,11 +38,11 @@ impl fmt::Debug for DbTarget {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DbError {
-    /// The server or the network failed; retrying later may work.
-    #[error("postgres: {0}")]
+    /// The server or the network failed, or the server refused a statement.
+    #[error("postgres: {}", with_sources(.0))]
     Postgres(#[from] tokio_postgres::Error),
     /// No connection could be taken from the pool.
-    #[error("postgres pool: {0}")]
+    #[error("postgres pool: {}", with_sources(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     /// The round trip took longer than its deadline.
     #[error("postgres: no answer within {0:?}")]
@@ -50,6 +50,21 @@ pub enum DbError {
     /// The server closed the connection.
     #[error("postgres: connection closed")]
     Closed,
+}
+
+/// An error and its causes on one line ("error connecting to server: Connection refused").
+pub fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = s.source();
+    }
+    text
 }
 
 impl DbError {

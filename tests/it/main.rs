@@ -3,6 +3,7 @@
 
 mod support;
 
+mod docs;
 mod migrate;
 mod relay_core;
 mod relay_faults;
