@@ -56,6 +56,11 @@ CREATE INDEX outbox_events_pending ON outbox_events (id)
 CREATE INDEX outbox_events_pending_key ON outbox_events (aggregate_type, aggregate_id, seq, id)
     WHERE dispatched_at IS NULL AND parked_at IS NULL;
 
+-- Dispatched rows by time (retention deletes old ones; `status` counts the last minute).
+-- Producers never touch it: a new row is not dispatched.
+CREATE INDEX outbox_events_dispatched ON outbox_events (dispatched_at)
+    WHERE dispatched_at IS NOT NULL;
+
 -- Parked rows by key (for --on-park block-key and the operator commands).
 CREATE INDEX outbox_events_parked ON outbox_events (aggregate_type, aggregate_id)
     WHERE parked_at IS NOT NULL;
@@ -90,7 +95,9 @@ CREATE TABLE outbox_relays (
     started_at   timestamptz NOT NULL DEFAULT now(),
     heartbeat_at timestamptz NOT NULL DEFAULT now(),
     lease_secs   double precision NOT NULL,
-    wants_wakeup boolean NOT NULL DEFAULT true
+    wants_wakeup boolean NOT NULL DEFAULT true,
+    -- Rows this relay has published and seen acked since it started (for `status`).
+    published    bigint NOT NULL DEFAULT 0
 );
 
 -- The wake-up hint. A NOTIFY takes a database-wide lock at commit, so producers send one

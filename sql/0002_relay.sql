@@ -21,7 +21,8 @@ CREATE FUNCTION outbox_lease(
     p_lease_secs double precision,
     p_release integer[],
     p_acquire boolean,
-    p_wants_wakeup boolean
+    p_wants_wakeup boolean,
+    p_published bigint
 ) RETURNS TABLE (partition integer, epoch bigint, fair_share integer, relays_alive integer)
 LANGUAGE plpgsql SET search_path FROM CURRENT
 AS $$
@@ -34,7 +35,8 @@ DECLARE
 BEGIN
     INSERT INTO outbox_relays AS r (relay_id, host, pid, lease_secs, wants_wakeup)
     VALUES (p_relay, p_host, p_pid, p_lease_secs, p_wants_wakeup)
-    ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now(), lease_secs = excluded.lease_secs;
+    ON CONFLICT (relay_id) DO UPDATE
+        SET heartbeat_at = now(), lease_secs = excluded.lease_secs, published = p_published;
 
     -- Forget relays that have been silent for ten leases.
     DELETE FROM outbox_relays r
@@ -252,5 +254,110 @@ BEGIN
       FROM sized s
      WHERE s.ord = 1 OR s.running <= p_max_bytes
      ORDER BY s.ord;
+END
+$$;
+
+-- Record failed publish attempts: attempts + 1 and the reason; park rows that cannot be
+-- published (kind 2) or that the broker returned (kind 1) once they reach p_max_attempts;
+-- kind 0 (nack, timeout, lost connection) never parks.
+--
+-- With p_block_key, the later rows of a parked row's key lose their (unpublished) numbers
+-- and the key's counter goes back to the parked row's seq: nothing after a parked row is
+-- published while it is parked, so when it is re-driven it keeps its number and the key
+-- goes on gaplessly.
+CREATE FUNCTION outbox_record_failures(
+    p_ids bigint[],
+    p_reasons text[],
+    p_kinds smallint[],
+    p_max_attempts integer,
+    p_block_key boolean
+) RETURNS TABLE (id bigint, attempts integer, parked boolean)
+LANGUAGE sql SET search_path FROM CURRENT
+AS $$
+    WITH f AS (
+        SELECT * FROM unnest(p_ids, p_reasons, p_kinds) AS f(id, reason, kind)
+    ), u AS (
+        UPDATE outbox_events e
+           SET attempts = e.attempts + 1,
+               last_error = f.reason,
+               parked_at = CASE WHEN f.kind = 2 OR (f.kind = 1 AND e.attempts + 1 >= p_max_attempts)
+                                THEN now() END
+          FROM f
+         WHERE e.id = f.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+        RETURNING e.id, e.aggregate_type, e.aggregate_id, e.seq, e.attempts,
+                  e.parked_at IS NOT NULL AS parked
+    ), unnumbered AS (
+        -- One failed row per key per call (the relay has one unconfirmed row per key),
+        -- so these are never rows of u.
+        UPDATE outbox_events o SET seq = NULL
+          FROM u
+         WHERE p_block_key AND u.parked
+           AND o.aggregate_type = u.aggregate_type AND o.aggregate_id = u.aggregate_id
+           AND o.seq > u.seq AND o.dispatched_at IS NULL AND o.parked_at IS NULL
+        RETURNING o.id
+    ), rewound AS (
+        UPDATE outbox_key_seq k SET last_seq = u.seq
+          FROM u
+         WHERE p_block_key AND u.parked
+           AND k.aggregate_type = u.aggregate_type AND k.aggregate_id = u.aggregate_id
+           AND k.last_seq > u.seq
+        RETURNING k.last_seq
+    )
+    SELECT u.id, u.attempts, u.parked FROM u
+$$;
+
+-- Put parked rows back to pending with attempts reset (the operator's re-drive).
+--
+-- Numbering: a re-driven row keeps its seq when no other row of its key has a higher one
+-- (nothing after it was numbered: --on-park block-key); otherwise every re-driven row of
+-- that key gets a new number after the key's last, in id order, so consumers never see a
+-- seq go backwards. With p_dry_run nothing changes; the rows that would are returned.
+CREATE FUNCTION outbox_redrive(p_ids bigint[], p_dry_run boolean DEFAULT false)
+RETURNS TABLE (id bigint, event_id uuid, aggregate_type text, aggregate_id text, seq_before bigint, renumbered boolean)
+LANGUAGE plpgsql SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH sel AS (
+        SELECT e.id, e.event_id, e.aggregate_type, e.aggregate_id, e.seq
+          FROM outbox_events e
+         WHERE e.id = ANY (p_ids) AND e.parked_at IS NOT NULL
+    ), renumber AS (
+        SELECT DISTINCT s.aggregate_type, s.aggregate_id
+          FROM sel s
+         WHERE EXISTS (SELECT 1 FROM outbox_events o
+                        WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
+                          AND o.seq > s.seq AND NOT (o.id = ANY (p_ids)))
+    )
+    SELECT s.id, s.event_id, s.aggregate_type, s.aggregate_id, s.seq,
+           EXISTS (SELECT 1 FROM renumber r
+                    WHERE r.aggregate_type = s.aggregate_type AND r.aggregate_id = s.aggregate_id)
+      FROM sel s
+     ORDER BY s.id;
+
+    IF NOT p_dry_run THEN
+        WITH sel AS (
+            SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+              FROM outbox_events e
+             WHERE e.id = ANY (p_ids) AND e.parked_at IS NOT NULL
+        ), renumber AS (
+            SELECT DISTINCT s.aggregate_type, s.aggregate_id
+              FROM sel s
+             WHERE EXISTS (SELECT 1 FROM outbox_events o
+                            WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
+                              AND o.seq > s.seq AND NOT (o.id = ANY (p_ids)))
+        )
+        UPDATE outbox_events e
+           SET parked_at = NULL,
+               attempts = 0,
+               seq = CASE WHEN EXISTS (SELECT 1 FROM renumber r
+                                        WHERE r.aggregate_type = e.aggregate_type
+                                          AND r.aggregate_id = e.aggregate_id)
+                          THEN NULL ELSE e.seq END
+          FROM sel
+         WHERE e.id = sel.id;
+        PERFORM pg_notify('outbox_events:' || current_schema(), '');
+    END IF;
 END
 $$;

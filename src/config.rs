@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use std::time::SystemTime;
+
 use crate::db::DbTarget;
+use crate::operator::ParkedFilter;
 use crate::relay::publish::AmqpTarget;
 use crate::relay::{OnPark, RelayConfig};
 
@@ -114,6 +117,87 @@ pub enum Command {
     Run(RunArgs),
     /// Apply the schema migrations in sql/ and exit.
     Migrate(DbArgs),
+    /// Pending and parked counts, throughput, and the relays alive with what each owns.
+    Status(StatusArgs),
+    /// Rows the relay gave up on.
+    Parked {
+        #[command(subcommand)]
+        command: ParkedCommand,
+    },
+    /// Put parked rows back to pending (attempts reset); they are published in per-key order.
+    Redrive(RedriveArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ParkedCommand {
+    /// List parked rows with their reason and attempts.
+    List(ParkedListArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Print JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
+    /// Accepted for symmetry with the other operator commands; status never writes.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// Filters shared by `parked list` and `redrive`.
+#[derive(Debug, Args)]
+pub struct FilterArgs {
+    /// Only rows of this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+    /// Only rows of this aggregate type.
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+    /// Only rows of this aggregate id.
+    #[arg(long)]
+    pub aggregate_id: Option<String>,
+    /// Only rows parked since then: a duration ago (`1h`, `2d`) or an RFC 3339 time.
+    #[arg(long)]
+    pub since: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ParkedListArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Most rows to show.
+    #[arg(long, default_value = "100")]
+    pub limit: String,
+    /// Print JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
+    /// Accepted for symmetry with the other operator commands; listing never writes.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RedriveArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Parked row id (repeat for several).
+    #[arg(long = "id")]
+    pub ids: Vec<String>,
+    /// Parked row event id (repeat for several).
+    #[arg(long = "event-id")]
+    pub event_ids: Vec<String>,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Every parked row.
+    #[arg(long)]
+    pub all_parked: bool,
+    /// Report what would be re-driven and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, Args)]
@@ -230,6 +314,53 @@ pub enum Config {
         db: DbTarget,
         schema: Schema,
     },
+    Status {
+        db: DbTarget,
+        schema: Schema,
+        json: bool,
+    },
+    ParkedList {
+        db: DbTarget,
+        schema: Schema,
+        filter: ParkedFilter,
+        limit: i64,
+        json: bool,
+    },
+    Redrive {
+        db: DbTarget,
+        schema: Schema,
+        filter: ParkedFilter,
+        dry_run: bool,
+    },
+}
+
+/// `--since`: a duration ago or an RFC 3339 time.
+fn parse_since(raw: &str) -> Result<SystemTime, ConfigError> {
+    if let Ok(d) = humantime::parse_duration(raw) {
+        return SystemTime::now()
+            .checked_sub(d)
+            .ok_or_else(|| ConfigError::new("--since", "that is too long ago"));
+    }
+    humantime::parse_rfc3339_weak(raw).map_err(|_| {
+        ConfigError::new(
+            "--since",
+            format!(
+                "'{raw}' is neither a duration (1h, 2d) nor an RFC 3339 time (2026-11-30T12:00:00Z)"
+            ),
+        )
+    })
+}
+
+impl FilterArgs {
+    fn parse(&self) -> Result<ParkedFilter, ConfigError> {
+        Ok(ParkedFilter {
+            event_type: self.event_type.clone(),
+            aggregate_type: self.aggregate_type.clone(),
+            aggregate_id: self.aggregate_id.clone(),
+            since: self.since.as_deref().map(parse_since).transpose()?,
+            ..ParkedFilter::default()
+        })
+    }
 }
 
 fn positive<T: FromStr>(flag: &'static str, raw: &str) -> Result<T, ConfigError>
@@ -268,6 +399,64 @@ impl Cli {
             Command::Migrate(db) => {
                 let (db, schema) = db.parse()?;
                 Ok(Config::Migrate { db, schema })
+            }
+            Command::Status(a) => {
+                let (db, schema) = a.db.parse()?;
+                Ok(Config::Status {
+                    db,
+                    schema,
+                    json: a.json,
+                })
+            }
+            Command::Parked {
+                command: ParkedCommand::List(a),
+            } => {
+                let (db, schema) = a.db.parse()?;
+                let limit: NonZeroU32 = positive("--limit", &a.limit)?;
+                Ok(Config::ParkedList {
+                    db,
+                    schema,
+                    filter: a.filter.parse()?,
+                    limit: i64::from(limit.get()),
+                    json: a.json,
+                })
+            }
+            Command::Redrive(a) => {
+                let (db, schema) = a.db.parse()?;
+                let mut filter = a.filter.parse()?;
+                for raw in &a.ids {
+                    let id: i64 = raw.trim().parse().map_err(|_| {
+                        ConfigError::new(
+                            "--id",
+                            format!("'{raw}' is not a row id (a whole number)"),
+                        )
+                    })?;
+                    filter.ids.push(id);
+                }
+                for raw in &a.event_ids {
+                    let id = uuid::Uuid::parse_str(raw.trim()).map_err(|_| {
+                        ConfigError::new("--event-id", format!("'{raw}' is not a uuid"))
+                    })?;
+                    filter.event_ids.push(id);
+                }
+                if a.all_parked && !filter.is_empty() {
+                    return Err(ConfigError::new(
+                        "--all-parked",
+                        "cannot be combined with --id, --event-id or filters",
+                    ));
+                }
+                if !a.all_parked && filter.is_empty() {
+                    return Err(ConfigError::new(
+                        "--all-parked",
+                        "say which rows to re-drive: --id, --event-id, a filter (--event-type, --aggregate-type, --aggregate-id, --since) or --all-parked",
+                    ));
+                }
+                Ok(Config::Redrive {
+                    db,
+                    schema,
+                    filter,
+                    dry_run: a.dry_run,
+                })
             }
             Command::Run(a) => {
                 let (db, schema) = a.db.parse()?;

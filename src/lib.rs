@@ -10,6 +10,7 @@
 
 pub mod config;
 pub mod db;
+pub mod operator;
 pub mod producer;
 pub mod relay;
 pub mod schema;

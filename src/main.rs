@@ -10,6 +10,7 @@ use clap::Parser;
 use clap::error::ErrorKind;
 use outbox_relay::config::{Cli, Config, LogFormat, Schema};
 use outbox_relay::db::DbTarget;
+use outbox_relay::operator;
 use outbox_relay::relay::{self, Backoff, Deps};
 use outbox_relay::schema::{self, MigrateError};
 use outbox_relay::telemetry::{self, Down};
@@ -120,6 +121,53 @@ async fn run(config: Config) -> anyhow::Result<()> {
             } else {
                 println!("schema {schema}: applied {}", report.applied.join(", "));
             }
+            Ok(())
+        }
+        Config::Status { db, schema, json } => {
+            let client = db
+                .connect(&schema, "outbox-relay-status")
+                .await
+                .context("cannot connect to postgres")?;
+            let status = operator::status(&client).await?;
+            if json {
+                println!("{status}");
+            } else {
+                print!("{}", operator::status_text(&status));
+            }
+            Ok(())
+        }
+        Config::ParkedList {
+            db,
+            schema,
+            filter,
+            limit,
+            json,
+        } => {
+            let client = db
+                .connect(&schema, "outbox-relay-parked")
+                .await
+                .context("cannot connect to postgres")?;
+            let rows = operator::parked(&client, &filter, limit).await?;
+            if json {
+                println!("{}", operator::parked_json(&rows));
+            } else {
+                print!("{}", operator::parked_text(&rows));
+                println!("{} parked row(s) shown", rows.len());
+            }
+            Ok(())
+        }
+        Config::Redrive {
+            db,
+            schema,
+            filter,
+            dry_run,
+        } => {
+            let mut client = db
+                .connect(&schema, "outbox-relay-redrive")
+                .await
+                .context("cannot connect to postgres")?;
+            let done = operator::redrive(&mut client, &filter, dry_run).await?;
+            println!("{}", done.summary());
             Ok(())
         }
         Config::Run {

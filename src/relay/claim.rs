@@ -186,13 +186,8 @@ pub enum Recorded {
     Gone,
 }
 
-const RECORD_FAILURES: &str = "UPDATE outbox_events e
-   SET attempts = e.attempts + 1,
-       last_error = f.reason,
-       parked_at = CASE WHEN f.kind = 2 OR (f.kind = 1 AND e.attempts + 1 >= $4) THEN now() END
-  FROM unnest($1::bigint[], $2::text[], $3::int2[]) AS f(id, reason, kind)
- WHERE e.id = f.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL
-RETURNING e.id, e.attempts, e.parked_at IS NOT NULL AS parked";
+const RECORD_FAILURES: &str =
+    "SELECT id, attempts, parked FROM outbox_record_failures($1, $2, $3, $4, $5)";
 
 /// Records failed attempts (attempts + 1, last_error) and parks rows that reached their
 /// limit. Returns, per input row, what was recorded.
@@ -200,13 +195,15 @@ pub async fn record_failures(
     pool: &Pool,
     failures: &[Failure],
     max_attempts: i32,
+    block_key: bool,
 ) -> Result<Vec<(i64, Recorded)>, DbError> {
     let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
     let reasons: Vec<&str> = failures.iter().map(|f| f.reason.as_str()).collect();
     let kinds: Vec<i16> = failures.iter().map(|f| f.kind as i16).collect();
     let client = deadline(pool.get()).await?;
     let stmt = deadline(client.prepare_cached(RECORD_FAILURES)).await?;
-    let rows = deadline(client.query(&stmt, &[&ids, &reasons, &kinds, &max_attempts])).await?;
+    let rows =
+        deadline(client.query(&stmt, &[&ids, &reasons, &kinds, &max_attempts, &block_key])).await?;
     let mut out: Vec<(i64, Recorded)> = ids.iter().map(|id| (*id, Recorded::Gone)).collect();
     for row in rows {
         let id: i64 = row.get(0);
@@ -248,9 +245,11 @@ pub struct LeaseRequest<'a> {
     pub release: Vec<i32>,
     pub acquire: bool,
     pub wants_wakeup: bool,
+    /// Rows published and acked since start, shown by `status`.
+    pub published: i64,
 }
 
-const LEASE: &str = "SELECT partition, epoch, fair_share, relays_alive FROM outbox_lease($1, $2, $3, $4, $5, $6, $7)";
+const LEASE: &str = "SELECT partition, epoch, fair_share, relays_alive FROM outbox_lease($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// Heartbeat, renew, release and acquire partitions in one round trip.
 pub async fn lease(pool: &Pool, req: &LeaseRequest<'_>) -> Result<LeaseRound, DbError> {
@@ -266,6 +265,7 @@ pub async fn lease(pool: &Pool, req: &LeaseRequest<'_>) -> Result<LeaseRound, Db
             &req.release,
             &req.acquire,
             &req.wants_wakeup,
+            &req.published,
         ],
     ))
     .await?;

@@ -375,6 +375,8 @@ struct Engine {
     ops: FuturesUnordered<BoxFuture<'static, Done>>,
     retries: DelayQueue<Key>,
     stopping: Option<Instant>,
+    /// Rows published and acked since start.
+    published: u64,
 }
 
 impl Engine {
@@ -412,6 +414,7 @@ impl Engine {
             ops: FuturesUnordered::new(),
             retries: DelayQueue::new(),
             stopping: None,
+            published: 0,
         }
     }
 
@@ -572,10 +575,11 @@ impl Engine {
             let batch = std::mem::take(&mut self.failures);
             let pool = self.deps.pool.clone();
             let max = self.cfg.max_attempts.get().min(i32::MAX as u32) as i32;
+            let block_key = self.cfg.on_park == OnPark::BlockKey;
             self.ops.push(
                 async move {
                     let failures: Vec<Failure> = batch.iter().map(|(_, f)| f.clone()).collect();
-                    let result = claim::record_failures(&pool, &failures, max).await;
+                    let result = claim::record_failures(&pool, &failures, max, block_key).await;
                     Done::Failures(batch, result)
                 }
                 .boxed(),
@@ -761,6 +765,7 @@ impl Engine {
         let release = std::mem::take(&mut self.release_next);
         let acquire = self.stopping.is_none();
         let wants_wakeup = self.cfg.listen;
+        let published = self.published as i64;
         self.ops.push(
             async move {
                 let sent = Instant::now();
@@ -772,6 +777,7 @@ impl Engine {
                     release: release.clone(),
                     acquire,
                     wants_wakeup,
+                    published,
                 };
                 let result = claim::lease(&pool, &req).await;
                 Done::Lease(sent, release, result)
@@ -910,19 +916,17 @@ impl Engine {
             .collect();
         let new = self.hand.claim_returned(claimed.rows, &full);
         telemetry::claimed(new, claimed.scanned, self.hand.rows());
+        // `wanted` was cleared when this claim started; a wake-up that came while it ran
+        // (its snapshot may predate that commit) has set it again and must survive.
         if claimed.scanned >= meta.limit {
             // The scan window was full: the pass goes on from where it stopped.
-            self.pass = Pass {
-                cursor: claimed.scanned_to,
-                wanted: true,
-            };
+            self.pass.cursor = claimed.scanned_to;
+            self.pass.wanted = true;
         } else {
             // The pass is complete. Start another at once if this one found work.
-            self.pass = Pass {
-                cursor: 0,
-                wanted: new > 0,
-            };
-            if new == 0 {
+            self.pass.cursor = 0;
+            self.pass.wanted |= new > 0;
+            if new == 0 && !self.pass.wanted {
                 self.wakeup_wanted = self.cfg.listen;
             }
         }
@@ -944,6 +948,7 @@ impl Engine {
             let (reason, kind) = match s.outcome {
                 Outcome::Acked(acked) => {
                     counts.acked += 1;
+                    self.published += 1;
                     if self.hand.acked(&s.key, s.row_id).wants_claim {
                         self.pass.wanted = true;
                     }

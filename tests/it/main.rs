@@ -7,3 +7,4 @@ mod docs;
 mod migrate;
 mod relay_core;
 mod relay_faults;
+mod scale_out;
