@@ -119,7 +119,7 @@ CREATE FUNCTION outbox_claim(
     headers text,
     traceparent text,
     tracestate text,
-    created_unix bigint,
+    created_epoch double precision,
     created_text text,
     attempts integer,
     seq bigint,
@@ -148,7 +148,7 @@ BEGIN
      WHERE p.owner = p_relay AND p.lease_until > clock_timestamp();
     IF v_owned IS NULL THEN
         RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
-                            NULL, NULL, NULL, NULL::bigint, NULL, NULL::integer, NULL::bigint,
+                            NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
                             NULL::integer, p_after, 0;
         RETURN;
     END IF;
@@ -226,7 +226,7 @@ BEGIN
      WHERE e.id = need.id;
 
     RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
-                        NULL, NULL, NULL, NULL::bigint, NULL, NULL::integer, NULL::bigint,
+                        NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
                         NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0);
 
     RETURN QUERY
@@ -234,7 +234,7 @@ BEGIN
         SELECT e.id, e.event_id, e.aggregate_type, e.aggregate_id, e.event_type,
                coalesce(e.routing_key, e.aggregate_type || '.' || e.event_type) AS routing_key,
                e.payload::text AS body, e.headers::text AS headers, e.traceparent, e.tracestate,
-               extract(epoch FROM e.created_at)::bigint AS created_unix,
+               extract(epoch FROM e.created_at)::float8 AS created_epoch,
                to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_text,
                e.attempts, e.seq,
                outbox_partition_of(e.aggregate_type, e.aggregate_id) AS partition,
@@ -249,7 +249,7 @@ BEGIN
     )
     SELECT s.id, s.event_id, s.aggregate_type, s.aggregate_id, s.event_type, s.routing_key,
            CASE WHEN s.body_bytes > p_max_message_bytes THEN NULL ELSE s.body END,
-           s.body_bytes, s.headers, s.traceparent, s.tracestate, s.created_unix, s.created_text,
+           s.body_bytes, s.headers, s.traceparent, s.tracestate, s.created_epoch, s.created_text,
            s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer
       FROM sized s
      WHERE s.ord = 1 OR s.running <= p_max_bytes

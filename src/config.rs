@@ -200,16 +200,71 @@ pub struct RedriveArgs {
     pub dry_run: bool,
 }
 
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Secrets that may come from files (`DATABASE_URL_FILE` and so on, as container
+/// platforms mount them). `main` reads the variables; parsing reads the files.
+#[derive(Clone, Debug, Default)]
+pub struct SecretFiles {
+    pub database_url: Option<std::path::PathBuf>,
+    pub amqp_url: Option<std::path::PathBuf>,
+    pub admin_token: Option<std::path::PathBuf>,
+}
+
+/// A value that must never be printed (a token, a password).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// The value of a secret flag: from the flag or its variable, else from `<VAR>_FILE`, else
+/// the default. Both set is ambiguous and refused.
+fn secret_value(
+    flag: &'static str,
+    var: &str,
+    given: Option<&str>,
+    file: Option<&std::path::Path>,
+    default: Option<&str>,
+) -> Result<Option<String>, ConfigError> {
+    match (given, file) {
+        (Some(_), Some(_)) => Err(ConfigError::new(
+            flag,
+            format!("both {flag} (or {var}) and {var}_FILE are set; use one"),
+        )),
+        (Some(v), None) => Ok(Some(v.to_owned())),
+        (None, Some(path)) => std::fs::read_to_string(path)
+            .map(|s| Some(s.trim().to_owned()))
+            .map_err(|e| {
+                ConfigError::new(
+                    flag,
+                    format!("cannot read {var}_FILE {}: {e}", path.display()),
+                )
+            }),
+        (None, None) => Ok(default.map(str::to_owned)),
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct DbArgs {
-    /// Postgres connection string (URL or key=value form).
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
-        hide_env_values = true
-    )]
-    pub database_url: String,
+    /// Postgres connection string, URL or key=value form [default:
+    /// postgres://postgres@127.0.0.1:5432/postgres]; or DATABASE_URL_FILE names a file holding it.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
 
     /// Schema that holds outbox_events and the relay's tables.
     #[arg(long, env = "OUTBOX_SCHEMA", default_value = "public")]
@@ -221,14 +276,27 @@ pub struct RunArgs {
     #[command(flatten)]
     pub db: DbArgs,
 
-    /// RabbitMQ URL (amqp:// or amqps://).
-    #[arg(
-        long,
-        env = "AMQP_URL",
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        hide_env_values = true
-    )]
-    pub amqp_url: String,
+    /// RabbitMQ URL, amqp:// or amqps:// [default: amqp://guest:guest@127.0.0.1:5672/%2f];
+    /// or AMQP_URL_FILE names a file holding it.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+
+    /// PEM file of the CA that signed the broker's certificate (for amqps://).
+    #[arg(long, env = "AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<std::path::PathBuf>,
+
+    /// Where to serve /livez, /readyz, /metrics and the dashboard, or "off".
+    #[arg(long, env = "OUTBOX_HTTP_LISTEN", default_value = "127.0.0.1:9464")]
+    pub http_listen: String,
+
+    /// Token that allows re-driving from the dashboard (without one it is read-only); or
+    /// OUTBOX_ADMIN_TOKEN_FILE names a file holding it.
+    #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    /// Delete dispatched rows older than this (for example 7d), or "off" to keep them.
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "off")]
+    pub retention: String,
 
     /// Exchange the relay publishes to (a durable topic exchange).
     #[arg(long, env = "OUTBOX_EXCHANGE", default_value = "outbox.events")]
@@ -309,6 +377,8 @@ pub enum Config {
         schema: Schema,
         migrate: bool,
         relay: RelayConfig,
+        http_listen: Option<std::net::SocketAddr>,
+        admin_token: Option<Secret>,
     },
     Migrate {
         db: DbTarget,
@@ -384,9 +454,16 @@ fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
 }
 
 impl DbArgs {
-    fn parse(&self) -> Result<(DbTarget, Schema), ConfigError> {
-        let db = DbTarget::parse(&self.database_url)
-            .map_err(|e| ConfigError::new("--database-url", e))?;
+    fn parse(&self, files: &SecretFiles) -> Result<(DbTarget, Schema), ConfigError> {
+        let url = secret_value(
+            "--database-url",
+            "DATABASE_URL",
+            self.database_url.as_deref(),
+            files.database_url.as_deref(),
+            Some(DEFAULT_DATABASE_URL),
+        )?
+        .unwrap_or_default();
+        let db = DbTarget::parse(&url).map_err(|e| ConfigError::new("--database-url", e))?;
         let schema = Schema::parse(&self.schema).map_err(|e| ConfigError::new("--schema", e))?;
         Ok((db, schema))
     }
@@ -394,14 +471,14 @@ impl DbArgs {
 
 impl Cli {
     /// Turns raw flags into a [`Config`], or the first flag that is wrong.
-    pub fn into_config(self) -> Result<Config, ConfigError> {
+    pub fn into_config(self, files: &SecretFiles) -> Result<Config, ConfigError> {
         match self.command {
             Command::Migrate(db) => {
-                let (db, schema) = db.parse()?;
+                let (db, schema) = db.parse(files)?;
                 Ok(Config::Migrate { db, schema })
             }
             Command::Status(a) => {
-                let (db, schema) = a.db.parse()?;
+                let (db, schema) = a.db.parse(files)?;
                 Ok(Config::Status {
                     db,
                     schema,
@@ -411,7 +488,7 @@ impl Cli {
             Command::Parked {
                 command: ParkedCommand::List(a),
             } => {
-                let (db, schema) = a.db.parse()?;
+                let (db, schema) = a.db.parse(files)?;
                 let limit: NonZeroU32 = positive("--limit", &a.limit)?;
                 Ok(Config::ParkedList {
                     db,
@@ -422,7 +499,7 @@ impl Cli {
                 })
             }
             Command::Redrive(a) => {
-                let (db, schema) = a.db.parse()?;
+                let (db, schema) = a.db.parse(files)?;
                 let mut filter = a.filter.parse()?;
                 for raw in &a.ids {
                     let id: i64 = raw.trim().parse().map_err(|_| {
@@ -459,9 +536,44 @@ impl Cli {
                 })
             }
             Command::Run(a) => {
-                let (db, schema) = a.db.parse()?;
-                let amqp = AmqpTarget::parse(&a.amqp_url)
-                    .map_err(|e| ConfigError::new("--amqp-url", e))?;
+                let (db, schema) = a.db.parse(files)?;
+                let amqp_url = secret_value(
+                    "--amqp-url",
+                    "AMQP_URL",
+                    a.amqp_url.as_deref(),
+                    files.amqp_url.as_deref(),
+                    Some(DEFAULT_AMQP_URL),
+                )?
+                .unwrap_or_default();
+                let mut amqp =
+                    AmqpTarget::parse(&amqp_url).map_err(|e| ConfigError::new("--amqp-url", e))?;
+                if let Some(ca) = &a.amqp_ca_file {
+                    amqp = amqp
+                        .with_ca_file(ca)
+                        .map_err(|e| ConfigError::new("--amqp-ca-file", e))?;
+                }
+                let admin_token = secret_value(
+                    "--admin-token",
+                    "OUTBOX_ADMIN_TOKEN",
+                    a.admin_token.as_deref(),
+                    files.admin_token.as_deref(),
+                    None,
+                )?
+                .filter(|t| !t.is_empty())
+                .map(Secret::new);
+                let http_listen = match a.http_listen.trim() {
+                    "off" => None,
+                    addr => Some(addr.parse::<std::net::SocketAddr>().map_err(|_| {
+                        ConfigError::new(
+                            "--http-listen",
+                            format!("'{addr}' is not an address like 127.0.0.1:9464 (or \"off\")"),
+                        )
+                    })?),
+                };
+                let retention = match a.retention.trim() {
+                    "off" => None,
+                    raw => Some(duration("--retention", raw)?),
+                };
                 let exchange = crate::relay::publish::validate_exchange(&a.exchange)
                     .map_err(|e| ConfigError::new("--exchange", e))?;
                 let batch_size: NonZeroUsize = positive("--batch-size", &a.batch_size)?;
@@ -524,6 +636,7 @@ impl Cli {
                     retry_min,
                     retry_max,
                     max_in_memory_bytes,
+                    retention,
                 };
                 Ok(Config::Run {
                     db,
@@ -531,6 +644,8 @@ impl Cli {
                     schema,
                     migrate: !a.no_migrate,
                     relay,
+                    http_listen,
+                    admin_token,
                 })
             }
         }
@@ -542,11 +657,68 @@ mod tests {
     use super::*;
 
     fn run_config(args: &[&str]) -> Result<Config, ConfigError> {
+        run_config_with(args, &SecretFiles::default())
+    }
+
+    fn run_config_with(args: &[&str], files: &SecretFiles) -> Result<Config, ConfigError> {
         let mut argv = vec!["outbox-relay", "run"];
         argv.extend_from_slice(args);
         Cli::try_parse_from(argv)
             .expect("clap accepts")
-            .into_config()
+            .into_config(files)
+    }
+
+    #[test]
+    fn secrets_come_from_files_but_not_from_both() {
+        let dir = std::env::temp_dir().join(format!("outbox-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = dir.join("db");
+        std::fs::write(&url, "postgres://relay:pw@db.internal:5432/app\n").unwrap();
+        let files = SecretFiles {
+            database_url: Some(url.clone()),
+            ..SecretFiles::default()
+        };
+        let Config::Run { db, .. } = run_config_with(&[], &files).unwrap() else {
+            panic!("run expected")
+        };
+        assert_eq!(db.dbname(), Some("app"));
+        assert!(
+            !format!("{db:?}").contains("pw"),
+            "the password is never printed"
+        );
+        let both = run_config_with(&["--database-url", "postgres://x@y/z"], &files).unwrap_err();
+        assert_eq!(both.flag, "--database-url");
+        let missing = SecretFiles {
+            admin_token: Some(dir.join("nope")),
+            ..SecretFiles::default()
+        };
+        let err = run_config_with(&[], &missing).unwrap_err();
+        assert_eq!(err.flag, "--admin-token");
+        assert!(
+            err.problem.contains("cannot read OUTBOX_ADMIN_TOKEN_FILE"),
+            "{}",
+            err.problem
+        );
+    }
+
+    #[test]
+    fn http_listen_and_retention_parse() {
+        let Config::Run {
+            http_listen, relay, ..
+        } = run_config(&["--http-listen", "off", "--retention", "7d"]).unwrap()
+        else {
+            panic!("run expected")
+        };
+        assert_eq!(http_listen, None);
+        assert_eq!(relay.retention, Some(Duration::from_secs(7 * 86400)));
+        assert_eq!(
+            run_config(&["--http-listen", "nowhere"]).unwrap_err().flag,
+            "--http-listen"
+        );
+        assert_eq!(
+            run_config(&["--retention", "0s"]).unwrap_err().flag,
+            "--retention"
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@
 
 pub mod config;
 pub mod db;
+pub mod http;
 pub mod operator;
 pub mod producer;
 pub mod relay;

@@ -8,12 +8,13 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use clap::error::ErrorKind;
-use outbox_relay::config::{Cli, Config, LogFormat, Schema};
+use outbox_relay::config::{Cli, Config, LogFormat, Schema, SecretFiles};
 use outbox_relay::db::DbTarget;
+use outbox_relay::http;
 use outbox_relay::operator;
 use outbox_relay::relay::{self, Backoff, Deps};
 use outbox_relay::schema::{self, MigrateError};
-use outbox_relay::telemetry::{self, Down};
+use outbox_relay::telemetry::{self, Down, Telemetry};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
@@ -23,7 +24,13 @@ fn main() -> ExitCode {
         Err(e) => return clap_exit(e),
     };
     init_logging(cli.log_format);
-    let config = match cli.into_config() {
+    // Secrets may come from files (DATABASE_URL_FILE, ...); the names are read here, once.
+    let files = SecretFiles {
+        database_url: std::env::var_os("DATABASE_URL_FILE").map(Into::into),
+        amqp_url: std::env::var_os("AMQP_URL_FILE").map(Into::into),
+        admin_token: std::env::var_os("OUTBOX_ADMIN_TOKEN_FILE").map(Into::into),
+    };
+    let config = match cli.into_config(&files) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("outbox-relay: {e}");
@@ -42,6 +49,10 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<BadFlag>() => {
+            eprintln!("outbox-relay: {e}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             eprintln!("outbox-relay: {e:#}");
             ExitCode::from(1)
@@ -69,6 +80,11 @@ fn clap_exit(e: clap::Error) -> ExitCode {
         }
     }
 }
+
+/// A configuration problem found only at run time (a port in use): exit 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct BadFlag(String);
 
 fn init_logging(format: LogFormat) {
     // lapin logs returned messages (payload included) at warn: keep it to errors; the
@@ -176,19 +192,45 @@ async fn run(config: Config) -> anyhow::Result<()> {
             schema,
             migrate,
             relay: relay_config,
+            http_listen,
+            admin_token,
         } => {
             let shutdown = shutdown_on_signals();
+            let telemetry = Telemetry::default();
+            let pool = db.pool(&schema, "outbox-relay", 8);
+            // The endpoint comes up first, so probes see "not ready" while we wait for
+            // Postgres, and stays up while the relay drains after SIGTERM.
+            let http_stop = CancellationToken::new();
+            let http = match http_listen {
+                Some(addr) => {
+                    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                        BadFlag(format!("--http-listen: cannot listen on {addr}: {e}"))
+                    })?;
+                    let state = http::HttpState::new(telemetry.clone(), pool.clone(), admin_token);
+                    Some(tokio::spawn(http::serve(
+                        listener,
+                        state,
+                        http_stop.clone(),
+                    )))
+                }
+                None => None,
+            };
             if migrate && !migrate_when_reachable(&db, &schema, &shutdown).await? {
                 return Ok(()); // stopped before the database came up
             }
-            let pool = db.pool(&schema, "outbox-relay", 8);
             let deps = Deps {
                 pool,
                 db,
                 schema,
                 amqp,
+                telemetry,
             };
-            relay::run(deps, relay_config, shutdown).await?;
+            let result = relay::run(deps, relay_config, shutdown).await;
+            http_stop.cancel();
+            if let Some(h) = http {
+                let _ = h.await;
+            }
+            result?;
             Ok(())
         }
     }

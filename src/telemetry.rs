@@ -1,16 +1,235 @@
-//! Everything that happens once gets one function here: it logs with structured fields
-//! (and, where it has one, bumps the metric with the same labels). Called per batch or per
-//! state change, never per row in a hot loop; no event ids in metric labels.
+//! Everything that happens once gets one method here: it logs with structured fields and
+//! bumps the metric with the same labels. Called per batch or per state change, never per
+//! row in a hot loop; no event ids in metric labels. Metric names follow
+//! `outbox_<thing>_<unit>[_total]`.
+//!
+//! A [`Telemetry`] is made per relay and passed in (tests run several relays in one
+//! process and assert each one's figures). [`Health`] is the readiness the HTTP endpoint
+//! reports: Postgres reachable, an AMQP session open, not shutting down.
 //!
 //! A dependency that stays down is logged once at warn, then at most every 30 s with the
 //! number of failures in between, and once more at info when it is back ([`Down`]).
 
 use std::fmt::Display;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 use tracing::{debug, info, warn};
 
 const DOWN_REPEAT: Duration = Duration::from_secs(30);
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// The relay's metrics (see README, "Metrics").
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub published: Counter,
+    pub acked: Counter,
+    pub nacked: Counter,
+    pub returned: Counter,
+    pub publish_failures: Family<Labels, Counter>,
+    pub dispatched: Counter,
+    pub parked: Counter,
+    pub commit_to_confirm: Histogram,
+    pub confirm_latency: Histogram,
+    pub claim_rows: Histogram,
+    pub reconnects: Family<Labels, Counter>,
+    pub listen_connected: Gauge,
+    pub unannounced: Counter,
+    pub pending_rows: Gauge,
+    pub oldest_pending_age: Gauge<f64, AtomicU64>,
+    pub parked_rows: Gauge,
+    pub leased_partitions: Gauge,
+    pub in_flight: Gauge,
+    pub retention_deleted: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let latency = || Histogram::new(exponential_buckets(0.0005, 2.0, 18));
+        let mut m = Metrics {
+            registry: Registry::default(),
+            published: Counter::default(),
+            acked: Counter::default(),
+            nacked: Counter::default(),
+            returned: Counter::default(),
+            publish_failures: Family::default(),
+            dispatched: Counter::default(),
+            parked: Counter::default(),
+            commit_to_confirm: latency(),
+            confirm_latency: latency(),
+            claim_rows: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            reconnects: Family::default(),
+            listen_connected: Gauge::default(),
+            unannounced: Counter::default(),
+            pending_rows: Gauge::default(),
+            oldest_pending_age: Gauge::default(),
+            parked_rows: Gauge::default(),
+            leased_partitions: Gauge::default(),
+            in_flight: Gauge::default(),
+            retention_deleted: Counter::default(),
+        };
+        let r = &mut m.registry;
+        r.register(
+            "outbox_messages_published",
+            "Messages handed to the broker",
+            m.published.clone(),
+        );
+        r.register(
+            "outbox_messages_acked",
+            "Messages the broker acked without returning them",
+            m.acked.clone(),
+        );
+        r.register(
+            "outbox_messages_nacked",
+            "Messages the broker nacked",
+            m.nacked.clone(),
+        );
+        r.register(
+            "outbox_messages_returned",
+            "Messages returned as unroutable",
+            m.returned.clone(),
+        );
+        r.register(
+            "outbox_publish_failures",
+            "Failed publish attempts by reason (nacked, returned, timeout, connection_lost, refused)",
+            m.publish_failures.clone(),
+        );
+        r.register(
+            "outbox_rows_dispatched",
+            "Rows marked dispatched",
+            m.dispatched.clone(),
+        );
+        r.register(
+            "outbox_rows_parked",
+            "Rows parked by this relay",
+            m.parked.clone(),
+        );
+        r.register(
+            "outbox_commit_to_confirm_seconds",
+            "From the row's created_at to the broker's ack",
+            m.commit_to_confirm.clone(),
+        );
+        r.register(
+            "outbox_confirm_latency_seconds",
+            "From publish to the broker's ack",
+            m.confirm_latency.clone(),
+        );
+        r.register(
+            "outbox_claim_batch_rows",
+            "New rows per claim",
+            m.claim_rows.clone(),
+        );
+        r.register(
+            "outbox_reconnects",
+            "Connections re-established, by target",
+            m.reconnects.clone(),
+        );
+        r.register(
+            "outbox_listen_connected",
+            "1 while the LISTEN connection is up",
+            m.listen_connected.clone(),
+        );
+        r.register(
+            "outbox_rows_unannounced",
+            "Rows found by polling that no NOTIFY had announced while LISTEN was up",
+            m.unannounced.clone(),
+        );
+        r.register(
+            "outbox_pending_rows",
+            "Rows waiting to be published",
+            m.pending_rows.clone(),
+        );
+        r.register(
+            "outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending row",
+            m.oldest_pending_age.clone(),
+        );
+        r.register(
+            "outbox_parked_rows",
+            "Rows parked, waiting for an operator",
+            m.parked_rows.clone(),
+        );
+        r.register(
+            "outbox_leased_partitions",
+            "Partitions this relay holds",
+            m.leased_partitions.clone(),
+        );
+        r.register(
+            "outbox_in_flight_messages",
+            "Messages published and not yet settled",
+            m.in_flight.clone(),
+        );
+        r.register(
+            "outbox_retention_deleted_rows",
+            "Dispatched rows deleted by --retention",
+            m.retention_deleted.clone(),
+        );
+        m
+    }
+}
+
+impl Metrics {
+    /// The Prometheus/OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String");
+        out
+    }
+}
+
+/// What `/readyz` reports.
+#[derive(Debug, Default)]
+pub struct Health {
+    postgres_up: AtomicBool,
+    amqp_up: AtomicBool,
+    stopping: AtomicBool,
+}
+
+impl Health {
+    pub fn ready(&self) -> bool {
+        self.postgres_up.load(Ordering::Relaxed)
+            && self.amqp_up.load(Ordering::Relaxed)
+            && !self.stopping.load(Ordering::Relaxed)
+    }
+
+    /// Why not ready, for the response body.
+    pub fn describe(&self) -> String {
+        format!(
+            "postgres {}, rabbitmq {}{}",
+            if self.postgres_up.load(Ordering::Relaxed) {
+                "up"
+            } else {
+                "down"
+            },
+            if self.amqp_up.load(Ordering::Relaxed) {
+                "up"
+            } else {
+                "down"
+            },
+            if self.stopping.load(Ordering::Relaxed) {
+                ", shutting down"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+/// Logging and metrics of one relay.
+#[derive(Clone, Debug, Default)]
+pub struct Telemetry {
+    pub metrics: Arc<Metrics>,
+    pub health: Arc<Health>,
+}
 
 /// Rate-limited logging for one dependency or operation that can fail repeatedly.
 #[derive(Debug)]
@@ -60,8 +279,9 @@ impl Down {
         }
     }
 
-    /// Success: logs recovery if it had been failing.
-    pub fn recovered(&mut self) {
+    /// Success: logs recovery if it had been failing. Returns whether it had been.
+    pub fn recovered(&mut self) -> bool {
+        let was_down = self.since.is_some();
         if let Some(since) = self.since.take() {
             info!(
                 target: "outbox_relay",
@@ -74,11 +294,18 @@ impl Down {
         }
         self.failures = 0;
         self.last_log = None;
+        was_down
     }
 }
 
-pub fn relay_started(relay_id: &str, exchange: &str, amqp: &dyn Display, listen: bool) {
-    info!(target: "outbox_relay", relay_id, exchange, amqp = %amqp, listen, "relay started");
+/// Per-batch counts of how the broker settled messages.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SettledCounts {
+    pub acked: u64,
+    pub returned: u64,
+    pub nacked: u64,
+    pub timed_out: u64,
+    pub lost: u64,
 }
 
 pub fn migrations_applied(applied: &[String], already: usize) {
@@ -89,82 +316,186 @@ pub fn migrations_applied(applied: &[String], already: usize) {
     }
 }
 
-pub fn amqp_connected(generation: u64, channels: usize) {
-    info!(target: "outbox_relay", generation, channels, "amqp session open");
-}
-
-pub fn amqp_session_lost(generation: u64, rows_in_flight: usize) {
-    warn!(target: "outbox_relay", generation, rows_in_flight, "amqp session lost; unconfirmed rows stay pending and are retried");
-}
-
-pub fn listen_state(connected: bool) {
-    debug!(target: "outbox_relay", connected, "listen connection");
-}
-
-pub fn claimed(new_rows: usize, scanned: usize, held: usize) {
-    debug!(target: "outbox_relay", new_rows, scanned, held, "claimed");
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-pub struct SettledCounts {
-    pub acked: usize,
-    pub returned: usize,
-    pub nacked: usize,
-    pub timed_out: usize,
-    pub lost: usize,
-}
-
-pub fn batch_settled(c: SettledCounts) {
-    if c.returned + c.nacked + c.timed_out + c.lost > 0 {
-        warn!(
-            target: "outbox_relay",
-            acked = c.acked,
-            returned = c.returned,
-            nacked = c.nacked,
-            timed_out = c.timed_out,
-            lost = c.lost,
-            "publishes failed; rows stay pending and are retried with backoff"
-        );
-    } else {
-        debug!(target: "outbox_relay", acked = c.acked, "batch confirmed");
+impl Telemetry {
+    pub fn relay_started(&self, relay_id: &str, exchange: &str, amqp: &dyn Display, listen: bool) {
+        info!(target: "outbox_relay", relay_id, exchange, amqp = %amqp, listen, "relay started");
     }
-}
 
-pub fn rows_marked(rows: usize, changed: u64) {
-    debug!(target: "outbox_relay", rows, changed, "marked dispatched");
-}
+    pub fn postgres_state(&self, up: bool) {
+        self.health.postgres_up.store(up, Ordering::Relaxed);
+    }
 
-pub fn row_parked(id: i64, aggregate_type: &str, aggregate_id: &str, reason: &str) {
-    warn!(target: "outbox_relay", id, aggregate_type, aggregate_id, reason, "row parked; re-drive it once the cause is fixed");
-}
+    /// A database operation succeeded after failures: the pool reconnected.
+    pub fn postgres_reconnected(&self) {
+        self.metrics
+            .reconnects
+            .get_or_create(&vec![("target", "postgres")])
+            .inc();
+    }
 
-pub fn leases_changed(
-    held: usize,
-    gained: usize,
-    lost: usize,
-    fair_share: usize,
-    relays_alive: usize,
-) {
-    info!(target: "outbox_relay", held, gained, lost, fair_share, relays_alive, "partition leases changed");
-}
+    pub fn amqp_connected(&self, generation: u64, channels: usize) {
+        info!(target: "outbox_relay", generation, channels, "amqp session open");
+        self.health.amqp_up.store(true, Ordering::Relaxed);
+        if generation > 1 {
+            self.metrics
+                .reconnects
+                .get_or_create(&vec![("target", "rabbitmq")])
+                .inc();
+        }
+    }
 
-pub fn wakeup_hint(wanted: bool) {
-    debug!(target: "outbox_relay", wanted, "insert wake-up hint");
-}
-
-pub fn shutdown_started(in_flight: usize) {
-    info!(target: "outbox_relay", in_flight, "shutting down: no new claims, waiting for confirms");
-}
-
-pub fn shutdown_finished(abandoned_in_flight: usize, unmarked: usize) {
-    if abandoned_in_flight + unmarked > 0 {
+    pub fn amqp_session_lost(&self, generation: u64, rows_in_flight: usize) {
         warn!(
             target: "outbox_relay",
-            abandoned_in_flight,
-            unmarked,
-            "shutdown timeout reached; these rows stay pending and will be published again"
+            generation,
+            rows_in_flight,
+            "amqp session lost; unconfirmed rows stay pending and are retried"
         );
-    } else {
-        info!(target: "outbox_relay", "relay stopped cleanly");
+        self.health.amqp_up.store(false, Ordering::Relaxed);
+    }
+
+    pub fn listen_state(&self, connected: bool, reconnect: bool) {
+        debug!(target: "outbox_relay", connected, "listen connection");
+        self.metrics.listen_connected.set(i64::from(connected));
+        if connected && reconnect {
+            self.metrics
+                .reconnects
+                .get_or_create(&vec![("target", "listen")])
+                .inc();
+        }
+    }
+
+    /// A claim returned; `unannounced` of its new rows came although LISTEN was up, the
+    /// wake-up was on, and no NOTIFY had arrived.
+    pub fn claimed(&self, new_rows: usize, scanned: usize, held: usize, unannounced: usize) {
+        debug!(target: "outbox_relay", new_rows, scanned, held, unannounced, "claimed");
+        if new_rows > 0 {
+            self.metrics.claim_rows.observe(new_rows as f64);
+        }
+        self.metrics.unannounced.inc_by(unannounced as u64);
+    }
+
+    pub fn published(&self, n: usize, in_flight: usize) {
+        self.metrics.published.inc_by(n as u64);
+        self.metrics.in_flight.set(in_flight as i64);
+    }
+
+    /// A batch of confirms: counts, and the latencies measured for the acked ones.
+    pub fn batch_settled(
+        &self,
+        c: SettledCounts,
+        confirm_secs: &[f64],
+        commit_secs: &[f64],
+        in_flight: usize,
+    ) {
+        let m = &self.metrics;
+        m.acked.inc_by(c.acked);
+        m.returned.inc_by(c.returned);
+        m.nacked.inc_by(c.nacked);
+        m.in_flight.set(in_flight as i64);
+        for (reason, n) in [
+            ("nacked", c.nacked),
+            ("returned", c.returned),
+            ("timeout", c.timed_out),
+            ("connection_lost", c.lost),
+        ] {
+            if n > 0 {
+                m.publish_failures
+                    .get_or_create(&vec![("reason", reason)])
+                    .inc_by(n);
+            }
+        }
+        for s in confirm_secs {
+            m.confirm_latency.observe(*s);
+        }
+        for s in commit_secs {
+            m.commit_to_confirm.observe(*s);
+        }
+        if c.returned + c.nacked + c.timed_out + c.lost > 0 {
+            warn!(
+                target: "outbox_relay",
+                acked = c.acked,
+                returned = c.returned,
+                nacked = c.nacked,
+                timed_out = c.timed_out,
+                lost = c.lost,
+                "publishes failed; rows stay pending and are retried with backoff"
+            );
+        } else {
+            debug!(target: "outbox_relay", acked = c.acked, "batch confirmed");
+        }
+    }
+
+    pub fn rows_refused(&self, n: usize) {
+        self.metrics
+            .publish_failures
+            .get_or_create(&vec![("reason", "refused")])
+            .inc_by(n as u64);
+    }
+
+    pub fn rows_marked(&self, rows: usize, changed: u64) {
+        debug!(target: "outbox_relay", rows, changed, "marked dispatched");
+        self.metrics.dispatched.inc_by(changed);
+    }
+
+    pub fn row_parked(&self, id: i64, aggregate_type: &str, aggregate_id: &str, reason: &str) {
+        warn!(
+            target: "outbox_relay",
+            id,
+            aggregate_type,
+            aggregate_id,
+            reason,
+            "row parked; re-drive it once the cause is fixed"
+        );
+        self.metrics.parked.inc();
+    }
+
+    pub fn leases_changed(
+        &self,
+        held: usize,
+        gained: usize,
+        lost: usize,
+        fair_share: usize,
+        relays_alive: usize,
+    ) {
+        info!(target: "outbox_relay", held, gained, lost, fair_share, relays_alive, "partition leases changed");
+        self.metrics.leased_partitions.set(held as i64);
+    }
+
+    pub fn wakeup_hint(&self, wanted: bool) {
+        debug!(target: "outbox_relay", wanted, "insert wake-up hint");
+    }
+
+    /// The periodic look at the table (pending, oldest pending, parked).
+    pub fn outbox_sampled(&self, pending: i64, oldest_pending_secs: f64, parked: i64) {
+        self.metrics.pending_rows.set(pending);
+        self.metrics.oldest_pending_age.set(oldest_pending_secs);
+        self.metrics.parked_rows.set(parked);
+    }
+
+    pub fn retention_deleted(&self, rows: u64) {
+        if rows > 0 {
+            info!(target: "outbox_relay", rows, "retention deleted dispatched rows");
+            self.metrics.retention_deleted.inc_by(rows);
+        }
+    }
+
+    pub fn shutdown_started(&self, in_flight: usize) {
+        info!(target: "outbox_relay", in_flight, "shutting down: no new claims, waiting for confirms");
+        self.health.stopping.store(true, Ordering::Relaxed);
+    }
+
+    pub fn shutdown_finished(&self, abandoned_in_flight: usize, unmarked: usize) {
+        self.health.amqp_up.store(false, Ordering::Relaxed);
+        if abandoned_in_flight + unmarked > 0 {
+            warn!(
+                target: "outbox_relay",
+                abandoned_in_flight,
+                unmarked,
+                "shutdown timeout reached; these rows stay pending and will be published again"
+            );
+        } else {
+            info!(target: "outbox_relay", "relay stopped cleanly");
+        }
     }
 }

@@ -8,7 +8,10 @@
 //! - A row stays "held" (and is filtered out of later claims) until its final write has
 //!   committed, so a claim racing with a mark never hands the same row back as new.
 //! - Rows that left the hand while a claim was running are remembered until that claim
-//!   returns (its snapshot may predate the write), then forgotten.
+//!   returns (its snapshot may predate the write), then forgotten. A row that reached its
+//!   final state (marked, parked) is skipped in that claim's result; a row that was only
+//!   dropped (lease lost, key blocked) ends that key's part of the result, so a key's rows
+//!   never enter the hand with a hole before them.
 //!
 //! No IO here: the engine in `relay/mod.rs` drives it and tests drive it directly.
 
@@ -72,8 +75,17 @@ pub struct Hand {
     awaiting_mark: usize,
     bytes: usize,
     in_flight: usize,
-    /// Set while a claim is running: ids that left the hand meanwhile.
-    claim_filter: Option<HashSet<i64>>,
+    /// Set while a claim is running: ids that left the hand meanwhile, and how.
+    claim_filter: Option<HashMap<i64, Left>>,
+}
+
+/// How a row left the hand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Left {
+    /// Marked dispatched or parked: done.
+    Final,
+    /// Dropped while still pending (lease lost, key blocked): someone publishes it later.
+    Dropped,
 }
 
 impl Hand {
@@ -99,7 +111,7 @@ impl Hand {
 
     /// A claim is about to run: remember what leaves the hand until it returns.
     pub fn claim_started(&mut self) {
-        self.claim_filter = Some(HashSet::new());
+        self.claim_filter = Some(HashMap::new());
     }
 
     /// Adds the rows a claim returned (each key's rows in publish order), skipping rows
@@ -108,35 +120,47 @@ impl Hand {
     pub fn claim_returned(&mut self, rows: Vec<ClaimedRow>, full_prefix: &HashSet<Key>) -> usize {
         let filter = self.claim_filter.take().unwrap_or_default();
         let mut added = 0;
+        // Keys whose part of this result must not be added (any further).
+        let mut stopped: HashSet<Key> = HashSet::new();
         for row in rows {
-            if self.held.contains(&row.id) || filter.contains(&row.id) {
+            let key = Key::of(&row);
+            if stopped.contains(&key) {
                 continue;
             }
-            let key = Key::of(&row);
+            if self.held.contains(&row.id) || filter.get(&row.id) == Some(&Left::Final) {
+                continue;
+            }
+            if filter.get(&row.id) == Some(&Left::Dropped) {
+                // Pending but no longer ours to hold: adding the rows after it would
+                // publish them before it.
+                stopped.insert(key);
+                continue;
+            }
             let partition = row.partition;
-            self.held.insert(row.id);
-            self.bytes += row.body_bytes;
-            added += 1;
             let queue = self.keys.entry(key.clone()).or_insert_with(|| KeyQueue {
                 rows: VecDeque::new(),
                 head: Head::Ready,
                 partition,
                 maybe_more: false,
             });
+            if queue.rows.back().is_some_and(|last| last.seq >= row.seq) {
+                // Claims return a key's rows in seq order and new rows number after held
+                // ones; anything else would publish out of order. Leave the key to the
+                // next claim.
+                tracing::error!(
+                    target: "outbox_relay",
+                    id = row.id,
+                    seq = row.seq,
+                    "claimed row numbered before a row already held; skipped until the next claim"
+                );
+                stopped.insert(key);
+                continue;
+            }
             let was_empty = queue.rows.is_empty();
-            // Claims return each key's rows in seq order and new rows always number after
-            // held ones, so this is an append; keep the queue sorted whatever happens.
-            let pos = queue
-                .rows
-                .iter()
-                .rposition(|r| r.seq < row.seq)
-                .map_or(0, |p| p + 1);
-            let pos = if queue.head != Head::Ready && pos == 0 && !was_empty {
-                1
-            } else {
-                pos
-            };
-            queue.rows.insert(pos, row);
+            self.held.insert(row.id);
+            self.bytes += row.body_bytes;
+            added += 1;
+            queue.rows.push_back(row);
             if was_empty {
                 queue.head = Head::Ready;
                 self.ready.push_back(key);
@@ -196,10 +220,14 @@ impl Hand {
             if self.held.remove(&id) {
                 self.awaiting_mark -= 1;
                 self.bytes -= bytes;
-                if let Some(f) = self.claim_filter.as_mut() {
-                    f.insert(id);
-                }
+                self.left(id, Left::Final);
             }
+        }
+    }
+
+    fn left(&mut self, id: i64, how: Left) {
+        if let Some(f) = self.claim_filter.as_mut() {
+            f.insert(id, how);
         }
     }
 
@@ -246,7 +274,7 @@ impl Hand {
         }
         let row = queue.rows.pop_front().expect("head exists");
         queue.head = Head::Ready; // whatever is behind it has not been published
-        self.forget(row.id, row.body_bytes);
+        self.forget(row.id, row.body_bytes, Left::Final);
         if keep_going {
             self.advance(key)
         } else {
@@ -261,12 +289,10 @@ impl Hand {
         self.parked(key, id, true)
     }
 
-    fn forget(&mut self, id: i64, bytes: usize) {
+    fn forget(&mut self, id: i64, bytes: usize, how: Left) {
         if self.held.remove(&id) {
             self.bytes -= bytes;
-            if let Some(f) = self.claim_filter.as_mut() {
-                f.insert(id);
-            }
+            self.left(id, how);
         }
     }
 
@@ -297,7 +323,7 @@ impl Hand {
             None
         };
         for row in queue.rows.drain(..) {
-            self.forget(row.id, row.body_bytes);
+            self.forget(row.id, row.body_bytes, Left::Dropped);
         }
         if let Some(head) = head {
             // Its outcome is still coming; keep the key with just that row.
@@ -422,6 +448,45 @@ mod tests {
             1
         );
         assert_eq!(hand.rows(), 1);
+    }
+
+    /// A claim runs while the partition's lease lapses and comes back: the rows dropped
+    /// meanwhile must not leave a hole for the key's later rows to jump through.
+    #[test]
+    fn rows_dropped_during_a_claim_stop_their_key() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        hand.claim_returned(vec![row(5, "a", 5)], &none());
+        hand.claim_started();
+        hand.drop_partition(0); // lease lapsed locally
+        // The claim's snapshot still shows row 5 pending, and row 6 behind it.
+        assert_eq!(
+            hand.claim_returned(
+                vec![row(5, "a", 5), row(6, "a", 6), row(7, "b", 1)],
+                &none()
+            ),
+            1
+        );
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 7);
+        assert!(
+            hand.next_ready(|_| true).is_none(),
+            "nothing of key a before row 5 is back"
+        );
+        hand.claim_started();
+        assert_eq!(
+            hand.claim_returned(vec![row(5, "a", 5), row(6, "a", 6)], &none()),
+            2
+        );
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 5);
+    }
+
+    #[test]
+    fn a_row_numbered_before_a_held_one_is_not_added() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        hand.claim_returned(vec![row(6, "a", 6)], &none());
+        hand.claim_started();
+        assert_eq!(hand.claim_returned(vec![row(5, "a", 5)], &none()), 0);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Schema;
 use crate::db::{DbError, DbTarget, deadline};
-use crate::telemetry;
+use crate::telemetry::{Down, Telemetry};
 
 /// What the listener tells the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,12 +40,23 @@ pub async fn run(
     db: DbTarget,
     schema: Schema,
     events: mpsc::Sender<ListenEvent>,
+    tel: Telemetry,
     shutdown: CancellationToken,
 ) {
     let mut backoff = super::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
-    let mut down = telemetry::Down::new("listen");
+    let mut down = Down::new("listen");
+    let mut connections = 0u64;
     loop {
-        let result = session(&db, &schema, &events, &shutdown, &mut down).await;
+        let result = session(
+            &db,
+            &schema,
+            &events,
+            &shutdown,
+            &mut down,
+            &tel,
+            &mut connections,
+        )
+        .await;
         if shutdown.is_cancelled() {
             return;
         }
@@ -54,7 +65,7 @@ pub async fn run(
             down.failed(&e, retry_in);
         }
         let _ = events.try_send(ListenEvent::Lost);
-        telemetry::listen_state(false);
+        tel.listen_state(false, false);
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(retry_in) => {}
@@ -70,7 +81,9 @@ async fn session(
     schema: &Schema,
     events: &mpsc::Sender<ListenEvent>,
     shutdown: &CancellationToken,
-    down: &mut telemetry::Down,
+    down: &mut Down,
+    tel: &Telemetry,
+    connections: &mut u64,
 ) -> Result<(), DbError> {
     let (client, mut connection) = db.connect_dedicated(schema, "outbox-relay-listen").await?;
     let (notified_tx, mut notified) = mpsc::unbounded_channel::<()>();
@@ -91,7 +104,8 @@ async fn session(
     let guard = AbortOnDrop(Some(driver));
     deadline(client.batch_execute(&format!("LISTEN \"{}\"", channel_name(schema)))).await?;
     down.recovered();
-    telemetry::listen_state(true);
+    *connections += 1;
+    tel.listen_state(true, *connections > 1);
     let _ = events.try_send(ListenEvent::Connected);
     let mut check = tokio::time::interval(LIVENESS_CHECK);
     check.tick().await;

@@ -17,6 +17,7 @@ pub mod claim;
 pub mod hand;
 pub mod listen;
 pub mod publish;
+pub mod retention;
 
 use std::collections::{HashMap, HashSet};
 use std::num::{NonZeroU32, NonZeroUsize};
@@ -33,7 +34,7 @@ use tokio_util::time::DelayQueue;
 
 use crate::config::Schema;
 use crate::db::{DbError, DbTarget, deadline};
-use crate::telemetry::{self, Down, SettledCounts};
+use crate::telemetry::{Down, SettledCounts, Telemetry};
 use claim::{Claimed, Failure, FailureKind, LeaseRound, Recorded};
 use hand::{Hand, Key};
 use listen::ListenEvent;
@@ -67,6 +68,8 @@ pub struct RelayConfig {
     pub retry_min: Duration,
     pub retry_max: Duration,
     pub max_in_memory_bytes: NonZeroUsize,
+    /// Delete dispatched rows older than this (`--retention`); `None` keeps them.
+    pub retention: Option<Duration>,
 }
 
 impl RelayConfig {
@@ -89,6 +92,7 @@ impl RelayConfig {
             retry_min: Duration::from_millis(500),
             retry_max: Duration::from_secs(60),
             max_in_memory_bytes: NonZeroUsize::new(64 << 20).expect("non-zero"),
+            retention: None,
         }
     }
 }
@@ -102,6 +106,8 @@ pub struct Deps {
     pub db: DbTarget,
     pub schema: Schema,
     pub amqp: AmqpTarget,
+    /// Where this relay logs and counts (one per relay; `Telemetry::default()` is fine).
+    pub telemetry: Telemetry,
 }
 
 /// A failure retries cannot fix.
@@ -249,7 +255,9 @@ pub async fn run_as(
         }
     }
     down.recovered();
-    telemetry::relay_started(&id.relay_id, &config.exchange, &deps.amqp, config.listen);
+    deps.telemetry
+        .relay_started(&id.relay_id, &config.exchange, &deps.amqp, config.listen);
+    deps.telemetry.postgres_state(true);
 
     let (listen_tx, listen_rx) = mpsc::channel(16);
     let listener_stop = shutdown.child_token();
@@ -258,14 +266,23 @@ pub async fn run_as(
             deps.db.clone(),
             deps.schema.clone(),
             listen_tx,
+            deps.telemetry.clone(),
+            listener_stop.clone(),
+        ))
+    });
+    let retention = config.retention.map(|age| {
+        tokio::spawn(retention::run(
+            deps.pool.clone(),
+            age,
+            deps.telemetry.clone(),
             listener_stop.clone(),
         ))
     });
     let engine = Engine::new(deps, config, id);
     let result = engine.run(listen_rx, shutdown).await;
     listener_stop.cancel();
-    if let Some(l) = listener {
-        let _ = l.await;
+    for task in [listener, retention].into_iter().flatten() {
+        let _ = task.await;
     }
     result
 }
@@ -349,6 +366,7 @@ impl Retry {
 struct Engine {
     cfg: RelayConfig,
     deps: Deps,
+    tel: Telemetry,
     id: Identity,
     hand: Hand,
     leases: HashMap<u8, HeldLease>,
@@ -377,6 +395,12 @@ struct Engine {
     stopping: Option<Instant>,
     /// Rows published and acked since start.
     published: u64,
+    /// LISTEN is connected (as last reported by the listener).
+    listen_up: bool,
+    /// A NOTIFY arrived since the last claim started.
+    notified: bool,
+    /// The last database round trip failed.
+    pg_down: bool,
 }
 
 impl Engine {
@@ -384,6 +408,7 @@ impl Engine {
         let (settled_tx, _) = mpsc::unbounded_channel();
         Engine {
             wakeup_wanted: cfg.listen,
+            tel: deps.telemetry.clone(),
             cfg,
             deps,
             id,
@@ -415,6 +440,9 @@ impl Engine {
             retries: DelayQueue::new(),
             stopping: None,
             published: 0,
+            listen_up: false,
+            notified: false,
+            pg_down: false,
         }
     }
 
@@ -479,7 +507,7 @@ impl Engine {
     }
 
     async fn finish(&mut self) {
-        telemetry::shutdown_finished(
+        self.tel.shutdown_finished(
             self.hand.in_flight(),
             self.marks.len() + self.hand.awaiting_mark(),
         );
@@ -616,6 +644,7 @@ impl Engine {
         }
         let window = self.cfg.confirm_window.get();
         let max_message = self.cfg.max_message_bytes.get();
+        let (mut sent, mut refused) = (0, 0);
         while self.hand.in_flight() < window {
             let leases = &self.leases;
             let Some(row) = self.hand.next_ready(|p| Engine::sendable(leases, now, p)) else {
@@ -623,8 +652,12 @@ impl Engine {
             };
             let (key, id, partition) = (Key::of(row), row.id, row.partition);
             match publish::prepare(row, max_message) {
-                Ok(message) => session.publish(partition, message),
+                Ok(message) => {
+                    session.publish(partition, message);
+                    sent += 1;
+                }
                 Err(refusal) => {
+                    refused += 1;
                     self.hand.refuse(&key, id);
                     self.failures.push((
                         key,
@@ -636,6 +669,12 @@ impl Engine {
                     ));
                 }
             }
+        }
+        if sent > 0 {
+            self.tel.published(sent, self.hand.in_flight());
+        }
+        if refused > 0 {
+            self.tel.rows_refused(refused);
         }
     }
 
@@ -701,7 +740,8 @@ impl Engine {
             self.leases.remove(p);
             self.hand.drop_partition(*p);
         }
-        telemetry::leases_changed(self.leases.len(), 0, expired.len(), 0, 0);
+        self.tel
+            .leases_changed(self.leases.len(), 0, expired.len(), 0, 0);
     }
 
     fn handle(
@@ -711,13 +751,20 @@ impl Engine {
     ) -> Result<(), RelayError> {
         match wake {
             Wake::Shutdown => {
-                telemetry::shutdown_started(self.hand.in_flight());
+                self.tel.shutdown_started(self.hand.in_flight());
                 self.stopping = Some(Instant::now() + self.cfg.shutdown_timeout);
             }
             Wake::Done(done) => return self.done(*done),
             Wake::Settled(batch) => self.settled(batch),
-            Wake::Listen(ListenEvent::Connected | ListenEvent::Notified) => self.pass.wanted = true,
-            Wake::Listen(ListenEvent::Lost) => {}
+            Wake::Listen(ListenEvent::Connected) => {
+                self.listen_up = true;
+                self.pass.wanted = true;
+            }
+            Wake::Listen(ListenEvent::Notified) => {
+                self.notified = true;
+                self.pass.wanted = true;
+            }
+            Wake::Listen(ListenEvent::Lost) => self.listen_up = false,
             Wake::RetryDue(key) => self.hand.retry_due(&key),
             Wake::Tick => self.pass.wanted = true,
             Wake::LeaseTick => self.start_lease(),
@@ -738,7 +785,8 @@ impl Engine {
             return;
         };
         let in_flight = self.hand.in_flight_rows();
-        telemetry::amqp_session_lost(session.generation(), in_flight.len());
+        self.tel
+            .amqp_session_lost(session.generation(), in_flight.len());
         for (key, id) in in_flight {
             self.hand.failed(&key, id);
             self.failures.push((
@@ -786,14 +834,39 @@ impl Engine {
         );
     }
 
+    /// Readiness follows the database round trips: one failing marks Postgres down, the
+    /// next that succeeds marks it up (and counts a reconnect).
+    fn db_result<T>(&mut self, result: &Result<T, DbError>) {
+        match result {
+            Ok(_) if self.pg_down => {
+                self.pg_down = false;
+                self.tel.postgres_state(true);
+                self.tel.postgres_reconnected();
+            }
+            Err(e) if e.is_transient() && !self.pg_down => {
+                self.pg_down = true;
+                self.tel.postgres_state(false);
+            }
+            _ => {}
+        }
+    }
+
     fn done(&mut self, done: Done) -> Result<(), RelayError> {
+        match &done {
+            Done::Claim(_, r) => self.db_result(r),
+            Done::Mark(_, r) => self.db_result(r),
+            Done::Failures(_, r) => self.db_result(r),
+            Done::Lease(_, _, r) => self.db_result(r),
+            Done::Wakeup(_, r) => self.db_result(r),
+            Done::Connected(..) => {}
+        }
         match done {
             Done::Connected(generation, result) => {
                 self.connecting = false;
                 match result {
                     Ok(session) if generation == self.generation && self.stopping.is_none() => {
                         self.amqp.ok();
-                        telemetry::amqp_connected(generation, self.cfg.channels.get());
+                        self.tel.amqp_connected(generation, self.cfg.channels.get());
                         self.session = Some(session);
                         self.pass.wanted = true;
                     }
@@ -826,7 +899,7 @@ impl Engine {
                 match result {
                     Ok(changed) => {
                         self.mark_retry.ok();
-                        telemetry::rows_marked(batch.len(), changed);
+                        self.tel.rows_marked(batch.len(), changed);
                         self.hand
                             .marked(batch.iter().map(|(_, a)| (a.row_id(), a.body_bytes())));
                     }
@@ -871,7 +944,7 @@ impl Engine {
                 self.wakeup_busy = false;
                 match result {
                     Ok(()) => {
-                        telemetry::wakeup_hint(wanted);
+                        self.tel.wakeup_hint(wanted);
                         self.wakeup_db = Some(wanted);
                         if wanted {
                             // Close the race with a producer that committed while the hint
@@ -915,7 +988,15 @@ impl Engine {
             .map(|(k, _)| k)
             .collect();
         let new = self.hand.claim_returned(claimed.rows, &full);
-        telemetry::claimed(new, claimed.scanned, self.hand.rows());
+        // Rows no NOTIFY announced although LISTEN was up and the hint was on.
+        let unannounced = if self.listen_up && self.wakeup_db == Some(true) && !self.notified {
+            new
+        } else {
+            0
+        };
+        self.notified = false;
+        self.tel
+            .claimed(new, claimed.scanned, self.hand.rows(), unannounced);
         // `wanted` was cleared when this claim started; a wake-up that came while it ran
         // (its snapshot may predate that commit) has set it again and must survive.
         if claimed.scanned >= meta.limit {
@@ -944,11 +1025,20 @@ impl Engine {
             return; // a lost session's late reports; its rows were failed already
         }
         let mut counts = SettledCounts::default();
+        let mut confirm_secs = Vec::with_capacity(batch.len());
+        let mut commit_secs = Vec::with_capacity(batch.len());
+        let now_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
         for s in batch {
             let (reason, kind) = match s.outcome {
                 Outcome::Acked(acked) => {
                     counts.acked += 1;
                     self.published += 1;
+                    confirm_secs.push(s.confirm_secs);
+                    if let Some(row) = self.hand.head(&s.key, s.row_id) {
+                        commit_secs.push((now_unix - row.created_epoch).max(0.0));
+                    }
                     if self.hand.acked(&s.key, s.row_id).wants_claim {
                         self.pass.wanted = true;
                     }
@@ -1002,7 +1092,8 @@ impl Engine {
                 },
             ));
         }
-        telemetry::batch_settled(counts);
+        self.tel
+            .batch_settled(counts, &confirm_secs, &commit_secs, self.hand.in_flight());
     }
 
     fn recorded(&mut self, batch: Vec<(Key, Failure)>, recorded: Vec<(i64, Recorded)>) {
@@ -1015,7 +1106,7 @@ impl Engine {
                     self.retries.insert_at(key, at.into());
                 }
                 Recorded::Parked => {
-                    telemetry::row_parked(
+                    self.tel.row_parked(
                         failure.id,
                         &key.aggregate_type,
                         &key.aggregate_id,
@@ -1105,7 +1196,7 @@ impl Engine {
             };
         }
         if gained > 0 || !lost.is_empty() {
-            telemetry::leases_changed(
+            self.tel.leases_changed(
                 self.leases.len(),
                 gained,
                 lost.len(),

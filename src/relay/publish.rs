@@ -46,6 +46,8 @@ use super::hand::Key;
 #[derive(Clone)]
 pub struct AmqpTarget {
     uri: AMQPUri,
+    /// Extra trusted CA certificates (PEM) for amqps://, besides the system's.
+    ca_pem: Option<String>,
 }
 
 impl fmt::Debug for AmqpTarget {
@@ -81,7 +83,21 @@ impl AmqpTarget {
         // A dead peer must be noticed: heartbeats every 10 s unless the URL says otherwise.
         uri.query.heartbeat.get_or_insert(10);
         uri.query.connection_timeout.get_or_insert(10_000);
-        Ok(AmqpTarget { uri })
+        Ok(AmqpTarget { uri, ca_pem: None })
+    }
+
+    /// Trusts the CA certificates in the PEM file `path` for amqps:// connections.
+    pub fn with_ca_file(mut self, path: &std::path::Path) -> Result<AmqpTarget, String> {
+        let pem = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if !pem.contains("-----BEGIN CERTIFICATE-----") {
+            return Err(format!("{} holds no PEM certificate", path.display()));
+        }
+        if self.uri.scheme != lapin::uri::AMQPScheme::AMQPS {
+            return Err("a CA file needs an amqps:// URL".into());
+        }
+        self.ca_pem = Some(pem);
+        Ok(self)
     }
 
     /// The same broker with other credentials or vhost is not needed; tests use this to
@@ -188,6 +204,8 @@ pub struct Settled {
     pub row_id: i64,
     pub key: Key,
     pub outcome: Outcome,
+    /// From handing the message to the channel to the broker's answer.
+    pub confirm_secs: f64,
 }
 
 /// Why a row cannot be published as it is.
@@ -294,7 +312,7 @@ pub fn prepare(row: &ClaimedRow, max_message_bytes: usize) -> Result<Prepared, R
         .with_message_id(event_id.as_str().into())
         .with_content_type("application/json".into())
         .with_type(row.event_type.as_str().into())
-        .with_timestamp(row.created_unix.max(0) as u64)
+        .with_timestamp(row.created_epoch.max(0.0) as u64)
         .with_delivery_mode(2)
         .with_headers(headers);
     Ok(Prepared {
@@ -494,12 +512,31 @@ impl Session {
     }
 }
 
+fn settle(p: Pending, outcome: Outcome) -> Settled {
+    Settled {
+        row_id: p.row_id,
+        confirm_secs: p.sent_at.elapsed().as_secs_f64(),
+        key: p.key,
+        outcome,
+    }
+}
+
+impl Acked {
+    fn of(p: &Pending) -> Acked {
+        Acked {
+            row_id: p.row_id,
+            body_bytes: p.body_bytes,
+        }
+    }
+}
+
 /// What a lane is waiting on for one publish.
 struct Pending {
     row_id: i64,
     key: Key,
     event_id: String,
     body_bytes: usize,
+    sent_at: std::time::Instant,
 }
 
 /// A returned message, reduced to what matching and reporting need.
@@ -670,6 +707,7 @@ impl Lane {
             key,
             event_id,
             body_bytes,
+            sent_at: std::time::Instant::now(),
         };
         let options = BasicPublishOptions {
             mandatory: true,
@@ -775,24 +813,14 @@ impl Lane {
                             reply_text,
                         })
                     } else if !carried {
-                        Some(Outcome::Acked(Acked {
-                            row_id: pending.row_id,
-                            body_bytes: pending.body_bytes,
-                        }))
+                        Some(Outcome::Acked(Acked::of(pending)))
                     } else {
                         None // carried another row's return: its own may still be queued
                     }
                 }
             };
             match outcome {
-                Some(outcome) => {
-                    let p = r.pending.expect("checked above");
-                    out.push(Settled {
-                        row_id: p.row_id,
-                        key: p.key,
-                        outcome,
-                    });
-                }
+                Some(outcome) => out.push(settle(r.pending.expect("checked above"), outcome)),
                 None => suspects.push(r),
             }
         }
@@ -802,25 +830,15 @@ impl Lane {
         for s in suspects.drain(..) {
             let p = s.pending.as_ref().expect("suspects are rows");
             if let Some((reply_code, reply_text)) = returns.take(&p.event_id) {
-                let p = s.pending.expect("checked");
-                out.push(Settled {
-                    row_id: p.row_id,
-                    key: p.key,
-                    outcome: Outcome::Returned {
-                        reply_code,
-                        reply_text,
-                    },
-                });
+                let outcome = Outcome::Returned {
+                    reply_code,
+                    reply_text,
+                };
+                out.push(settle(s.pending.expect("checked"), outcome));
             } else if clean_seen && s.round < round {
                 let p = s.pending.expect("checked");
-                out.push(Settled {
-                    row_id: p.row_id,
-                    key: p.key,
-                    outcome: Outcome::Acked(Acked {
-                        row_id: p.row_id,
-                        body_bytes: p.body_bytes,
-                    }),
-                });
+                let acked = Outcome::Acked(Acked::of(&p));
+                out.push(settle(p, acked));
             } else {
                 still.push(s);
             }

@@ -75,7 +75,7 @@ async fn ten_thousand_events_arrive_once_with_the_contract() {
         let row = client
             .query_one(
                 "SELECT aggregate_type, aggregate_id, event_type, payload::text, seq,
-                        extract(epoch FROM created_at)::bigint,
+                        floor(extract(epoch FROM created_at))::bigint,
                         to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
                    FROM outbox_events WHERE event_id = $1::text::uuid",
                 &[&m.message_id],

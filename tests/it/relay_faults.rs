@@ -26,6 +26,8 @@ fn relay_args(db: &TestDb, broker: &Broker, extra: &[&str]) -> Vec<String> {
         "500ms",
         "--confirm-timeout",
         "5s",
+        "--http-listen",
+        "127.0.0.1:0",
     ]
     .iter()
     .map(|s| s.to_string())

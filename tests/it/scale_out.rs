@@ -149,6 +149,8 @@ async fn relays_killed_stopped_and_cut_keep_order_and_lose_nothing() {
             "500ms",
             "--confirm-timeout",
             "5s",
+            "--http-listen",
+            "127.0.0.1:0",
         ]
         .iter()
         .map(|s| s.to_string())

@@ -493,6 +493,7 @@ impl InProcessRelay {
             db: db.target.clone(),
             schema: db.schema.clone(),
             amqp: AmqpTarget::parse(&amqp_url()).unwrap(),
+            telemetry: Default::default(),
         };
         Self::start_with(deps, config, name)
     }
