@@ -3,4 +3,5 @@
 
 mod support;
 
+mod consumer;
 mod relay_core;
