@@ -150,10 +150,14 @@ async fn duplicate_deliveries_to_two_consumers_apply_once() {
         publisher.publish(e).await;
         publisher.publish(e).await;
     }
-    wait_for("30 events applied and the queue drained", Duration::from_secs(30), || async {
-        let n = applied(&client).await.len();
-        (n >= 30 && queue_depth(&cfg.queue).await == 0).then_some(())
-    })
+    wait_for(
+        "30 events applied and the queue drained",
+        Duration::from_secs(30),
+        || async {
+            let n = applied(&client).await.len();
+            (n >= 30 && queue_depth(&cfg.queue).await == 0).then_some(())
+        },
+    )
     .await;
     a.stop().await;
     b.stop().await;
@@ -171,7 +175,10 @@ async fn duplicate_deliveries_to_two_consumers_apply_once() {
         assert_eq!(dest.accepted(&format!("mail-{i}")), 1, "mail-{i} sent once");
     }
     let inbox: i64 = client
-        .query_one("SELECT count(*) FROM outbox_inbox WHERE consumer = $1", &[&cfg.name])
+        .query_one(
+            "SELECT count(*) FROM outbox_inbox WHERE consumer = $1",
+            &[&cfg.name],
+        )
         .await
         .unwrap()
         .get(0);
@@ -223,21 +230,32 @@ async fn cancel_while_sending_withdraws_at_the_destination() {
     });
     let worker = db.client().await;
     let d = dest.clone();
-    let sending = tokio::spawn(async move { ledger("worker").perform(&worker, "welcome", &*d).await });
+    let sending =
+        tokio::spawn(async move { ledger("worker").perform(&worker, "welcome", &*d).await });
     tokio::time::timeout(Duration::from_secs(5), dest.entered.notified())
         .await
         .expect("send started");
 
-    let outcome = ledger("ticket-service").cancel(&client, "welcome", &*dest).await.unwrap();
+    let outcome = ledger("ticket-service")
+        .cancel(&client, "welcome", &*dest)
+        .await
+        .unwrap();
     assert_eq!(outcome, Cancelled::Pending);
     assert_eq!(
-        Ledger::get(&client, "welcome").await.unwrap().unwrap().state,
+        Ledger::get(&client, "welcome")
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
         EffectState::Sending,
         "not cancelled before the item is withdrawn"
     );
     gate.notify_one();
     let performed = sending.await.unwrap().unwrap();
-    assert!(matches!(performed, Performed::Withdrawn { .. }), "{performed:?}");
+    assert!(
+        matches!(performed, Performed::Withdrawn { .. }),
+        "{performed:?}"
+    );
 
     let row = Ledger::get(&client, "welcome").await.unwrap().unwrap();
     assert_eq!(row.state, EffectState::Cancelled);
@@ -265,7 +283,10 @@ async fn cancel_when_the_destination_delete_fails_says_still_out() {
     let row = Ledger::get(&client, "invoice-7").await.unwrap().unwrap();
     assert_eq!(row.state, EffectState::Sent, "still out");
     assert!(
-        row.last_error.as_deref().unwrap_or_default().contains("did not withdraw"),
+        row.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("did not withdraw"),
         "{:?}",
         row.last_error
     );
@@ -273,7 +294,10 @@ async fn cancel_when_the_destination_delete_fails_says_still_out() {
 
     *dest.delete_fails.lock().unwrap() = false;
     let outcome = l.cancel(&client, "invoice-7", &dest).await.unwrap();
-    assert!(matches!(outcome, Cancelled::Withdrawn { .. }), "{outcome:?}");
+    assert!(
+        matches!(outcome, Cancelled::Withdrawn { .. }),
+        "{outcome:?}"
+    );
     let row = Ledger::get(&client, "invoice-7").await.unwrap().unwrap();
     assert_eq!(row.state, EffectState::Cancelled);
     assert!(!dest.is_live("invoice-7"));
@@ -296,7 +320,12 @@ async fn a_late_failure_does_not_overwrite_sent() {
     let l = ledger("worker");
     l.perform(&client, "receipt", &dest).await.unwrap();
     assert!(!l.fail(&client, id, "late timeout").await.unwrap());
-    assert!(!ledger("other").fail(&client, id, "other worker").await.unwrap());
+    assert!(
+        !ledger("other")
+            .fail(&client, id, "other worker")
+            .await
+            .unwrap()
+    );
     let by_operator: bool = client
         .query_one("SELECT outbox_effect_fail($1, NULL, 'operator')", &[&id])
         .await
@@ -332,9 +361,11 @@ async fn terminal_error_releases_the_budget_and_dead_letters() {
     let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
     let e = RawEvent::new("t1", 1, json!({"effect": "sms-1", "tenant": "acme"}));
     RawPublisher::new(&exchange).await.publish(&e).await;
-    let got = wait_for("the message dead-lettered", Duration::from_secs(20), || async {
-        dead.all().into_iter().next()
-    })
+    let got = wait_for(
+        "the message dead-lettered",
+        Duration::from_secs(20),
+        || async { dead.all().into_iter().next() },
+    )
     .await;
     running.stop().await;
     assert_eq!(got.event_id, e.event_id.to_string());
@@ -343,15 +374,24 @@ async fn terminal_error_releases_the_budget_and_dead_letters() {
     let row = Ledger::get(&client, "sms-1").await.unwrap().unwrap();
     assert_eq!(row.state, EffectState::Failed);
     assert!(row.last_error.unwrap().contains("invalid address"));
-    let t = budget::totals(&client, "acme", "sms").await.unwrap().unwrap();
+    let t = budget::totals(&client, "acme", "sms")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((t.remaining, t.held, t.consumed), (5, 0, 0), "released");
     let outcome: String = client
-        .query_one("SELECT outcome FROM outbox_inbox WHERE event_id = $1", &[&e.event_id])
+        .query_one(
+            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+            &[&e.event_id],
+        )
         .await
         .unwrap()
         .get(0);
     assert_eq!(outcome, "dead");
-    assert!(applied(&client).await.is_empty(), "the handler's transaction rolled back");
+    assert!(
+        applied(&client).await.is_empty(),
+        "the handler's transaction rolled back"
+    );
     kit::delete_topology(&cfg).await;
 }
 
@@ -368,14 +408,23 @@ async fn transient_error_keeps_the_budget_and_retries() {
     enqueue(&client, "sms-direct", "sms", Some(("acme", "sms", 1))).await;
     let dest = Arc::new(FakeDest::new("sms", false));
     dest.then(Err(DestinationError::Transient("503".into())));
-    let err = ledger("w").perform(&client, "sms-direct", &*dest).await.unwrap_err();
+    let err = ledger("w")
+        .perform(&client, "sms-direct", &*dest)
+        .await
+        .unwrap_err();
     assert!(err.is_transient(), "{err}");
     let row = Ledger::get(&client, "sms-direct").await.unwrap().unwrap();
     assert_eq!(row.state, EffectState::Queued);
-    let t = budget::totals(&client, "acme", "sms").await.unwrap().unwrap();
+    let t = budget::totals(&client, "acme", "sms")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((t.remaining, t.held), (4, 1), "the reservation is kept");
     assert!(matches!(
-        ledger("w").perform(&client, "sms-direct", &*dest).await.unwrap(),
+        ledger("w")
+            .perform(&client, "sms-direct", &*dest)
+            .await
+            .unwrap(),
         Performed::Sent { .. }
     ));
 
@@ -396,7 +445,11 @@ async fn transient_error_keeps_the_budget_and_retries() {
     let started = Instant::now();
     RawPublisher::new(&exchange)
         .await
-        .publish(&RawEvent::new("t1", 1, json!({"effect": "sms-runner", "tenant": "acme"})))
+        .publish(&RawEvent::new(
+            "t1",
+            1,
+            json!({"effect": "sms-runner", "tenant": "acme"}),
+        ))
         .await;
     let row = wait_for("sms-runner sent", Duration::from_secs(20), || async {
         Ledger::get(&client, "sms-runner")
@@ -409,10 +462,21 @@ async fn transient_error_keeps_the_budget_and_retries() {
     assert_eq!(row.effect.attempts, 3);
     assert_eq!(dest.accepted("sms-runner"), 1);
     // Retry delays 100 ms then 200 ms came from the retry queues, not a spin.
-    assert!(started.elapsed() >= Duration::from_millis(300), "{:?}", started.elapsed());
-    let t = budget::totals(&client, "acme", "sms").await.unwrap().unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        started.elapsed()
+    );
+    let t = budget::totals(&client, "acme", "sms")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((t.remaining, t.held, t.consumed), (3, 0, 2));
-    assert_eq!(applied(&client).await.len(), 1, "applied once, after the retries");
+    assert_eq!(
+        applied(&client).await.len(),
+        1,
+        "applied once, after the retries"
+    );
     kit::delete_topology(&cfg).await;
 }
 
@@ -428,7 +492,15 @@ async fn out_of_budget_rolls_back_the_whole_claim() {
     let EffectError::OutOfBudget(o) = &err else {
         panic!("expected out of budget, got {err}")
     };
-    assert_eq!((o.tenant.as_str(), o.quota_key.as_str(), o.needed, o.remaining), ("acme", "sms", 1, 0));
+    assert_eq!(
+        (
+            o.tenant.as_str(),
+            o.quota_key.as_str(),
+            o.needed,
+            o.remaining
+        ),
+        ("acme", "sms", 1, 0)
+    );
     assert!(err.to_string().contains("out of budget"), "{err}");
     assert!(!err.is_transient());
     let row = Ledger::get(&client, "sms-1").await.unwrap().unwrap();
@@ -444,7 +516,10 @@ async fn out_of_budget_rolls_back_the_whole_claim() {
     // With budget, the same claim goes through and reserves.
     budget::set(&client, "acme", "sms", 1).await.unwrap();
     assert!(ledger("w").claim(&client, "sms-1").await.unwrap().is_some());
-    let t = budget::totals(&client, "acme", "sms").await.unwrap().unwrap();
+    let t = budget::totals(&client, "acme", "sms")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((t.remaining, t.held), (0, 1));
 }
 
@@ -477,7 +552,11 @@ async fn ordered_mode_applies_shuffled_events_in_seq_order() {
     let mut events: Vec<RawEvent> = Vec::new();
     for k in 0..3 {
         for seq in 1..=8 {
-            events.push(RawEvent::new(&format!("k{k}"), seq, json!({"k": k, "seq": seq})));
+            events.push(RawEvent::new(
+                &format!("k{k}"),
+                seq,
+                json!({"k": k, "seq": seq}),
+            ));
         }
     }
     // A fixed shuffle (reversed blocks, interleaved), so the test is repeatable.
@@ -488,7 +567,10 @@ async fn ordered_mode_applies_shuffled_events_in_seq_order() {
         state ^= state << 17;
         events.swap(i, (state % (i as u64 + 1)) as usize);
     }
-    assert_ne!(events.iter().map(|e| e.seq).collect::<Vec<_>>()[..3], [1, 1, 1]);
+    assert_ne!(
+        events.iter().map(|e| e.seq).collect::<Vec<_>>()[..3],
+        [1, 1, 1]
+    );
     let publisher = RawPublisher::new(&exchange).await;
     for e in &events {
         publisher.publish(e).await;
@@ -562,7 +644,10 @@ async fn a_permanent_gap_is_reported_after_gap_timeout() {
         })
         .await;
         let reported_after = started.elapsed();
-        assert!(reported_after >= gap_timeout, "reported after {reported_after:?}");
+        assert!(
+            reported_after >= gap_timeout,
+            "reported after {reported_after:?}"
+        );
         let (expected, got, action): (i64, i64, String) = {
             let r = client
                 .query_one(
@@ -664,7 +749,15 @@ async fn the_reconciler_resolves_through_lookup_or_lists_for_review() {
     // The command lists them (it has no destinations).
     let url = db.url();
     let (code, out, err) = crate::support::process::run_to_end(
-        &["reconcile", "--stuck-after", "300ms", "--send-timeout", "100ms", "--retention", "1h"],
+        &[
+            "reconcile",
+            "--stuck-after",
+            "300ms",
+            "--send-timeout",
+            "100ms",
+            "--retention",
+            "1h",
+        ],
         &[("DATABASE_URL", url.as_str())],
     )
     .await;
@@ -672,7 +765,10 @@ async fn the_reconciler_resolves_through_lookup_or_lists_for_review() {
     for key in ["arrived", "lost", "fax-1"] {
         assert!(out.contains(&format!("review: effect {key} ")), "{out}");
     }
-    assert!(out.contains("reconcile: 3 stuck effects for review"), "{out}");
+    assert!(
+        out.contains("reconcile: 3 stuck effects for review"),
+        "{out}"
+    );
 
     let report = reconcile::reconcile(&client, &cfg, &short_lease("reconciler"), &with_lookup)
         .await
@@ -682,14 +778,30 @@ async fn the_reconciler_resolves_through_lookup_or_lists_for_review() {
         .iter()
         .map(|(s, r)| (s.key.clone(), r.clone()))
         .collect();
-    assert!(matches!(resolved["arrived"], Resolution::Found { .. }), "{resolved:?}");
-    assert!(matches!(resolved["lost"], Resolution::Resent { .. }), "{resolved:?}");
-    assert_eq!(report.review.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(), ["fax-1"]);
+    assert!(
+        matches!(resolved["arrived"], Resolution::Found { .. }),
+        "{resolved:?}"
+    );
+    assert!(
+        matches!(resolved["lost"], Resolution::Resent { .. }),
+        "{resolved:?}"
+    );
+    assert_eq!(
+        report
+            .review
+            .iter()
+            .map(|s| s.key.as_str())
+            .collect::<Vec<_>>(),
+        ["fax-1"]
+    );
     assert_eq!(with_lookup.accepted("arrived"), 1, "found, not sent again");
     assert_eq!(with_lookup.accepted("lost"), 1, "absent, so sent once");
     assert_eq!(without.total_accepted(), 0);
     for key in ["arrived", "lost"] {
-        assert_eq!(Ledger::get(&client, key).await.unwrap().unwrap().state, EffectState::Sent);
+        assert_eq!(
+            Ledger::get(&client, key).await.unwrap().unwrap().state,
+            EffectState::Sent
+        );
     }
     assert_eq!(
         Ledger::get(&client, "fax-1").await.unwrap().unwrap().state,

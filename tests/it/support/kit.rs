@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection};
 use outbox_relay::consumer::effects::{EffectsConfig, Ledger};
@@ -85,7 +87,12 @@ impl FakeDest {
     /// Records the item as accepted, as a real destination would before answering.
     pub fn accept(&self, key: &str) -> String {
         let id = format!("ext-{key}-{}", fresh_uuid());
-        *self.accepted.lock().unwrap().entry(key.to_owned()).or_default() += 1;
+        *self
+            .accepted
+            .lock()
+            .unwrap()
+            .entry(key.to_owned())
+            .or_default() += 1;
         self.live.lock().unwrap().insert(id.clone(), key.to_owned());
         id
     }
@@ -271,21 +278,25 @@ pub async fn wait_queue_ready(queue: &str) {
         .connect("outbox-it-probe")
         .await
         .unwrap();
-    wait_for("consumer queue declared", Duration::from_secs(20), || async {
-        let ch = conn.create_channel().await.ok()?;
-        ch.queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .ok()
-        .filter(|q| q.consumer_count() > 0)
-        .map(|_| ())
-    })
+    wait_for(
+        "consumer queue declared",
+        Duration::from_secs(20),
+        || async {
+            let ch = conn.create_channel().await.ok()?;
+            ch.queue_declare(
+                queue.into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .ok()
+            .filter(|q| q.consumer_count() > 0)
+            .map(|_| ())
+        },
+    )
     .await;
     let _ = conn.close(200, "ok".into()).await;
 }
@@ -337,7 +348,9 @@ impl DeadLetters {
                     .as_ref()
                     .and_then(|h| h.inner().get("x-outbox-dead-reason").cloned())
                     .map(|v| match v {
-                        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                        AMQPValue::LongString(s) => {
+                            String::from_utf8_lossy(s.as_bytes()).into_owned()
+                        }
                         other => format!("{other:?}"),
                     })
                     .unwrap_or_default();
@@ -385,7 +398,10 @@ pub async fn delete_topology(cfg: &ConsumerConfig) {
             let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
         }
         let _ = ch
-            .exchange_delete(format!("{}.dlx", cfg.queue).as_str().into(), Default::default())
+            .exchange_delete(
+                format!("{}.dlx", cfg.queue).as_str().into(),
+                Default::default(),
+            )
             .await;
     }
     let _ = conn.close(200, "cleanup".into()).await;
