@@ -420,18 +420,41 @@ $$;
 
 -- Gives a claim back after a transient error so the effect can be sent again later; keeps
 -- the reservation. p_uncertain says the destination may have received it (a timeout): the
--- next claimer must look it up before sending. Only while still ours and not cancelled.
+-- next claimer must look it up before sending. Only while still ours. If a cancel was
+-- requested meanwhile: nothing went out → 'cancelled' (reservation released); maybe out
+-- (uncertain) → stays 'sending' for a lookup (the caller's, or the reconciler's after the
+-- lease). Returns the state the row has afterwards ('missing' when there is none).
 CREATE FUNCTION outbox_effect_retry(p_effect_id bigint, p_worker text, p_error text, p_uncertain boolean)
-RETURNS boolean
+RETURNS text
 LANGUAGE plpgsql SET search_path FROM CURRENT
 AS $$
+DECLARE
+    e outbox_effects%ROWTYPE;
 BEGIN
-    UPDATE outbox_effects e
+    SELECT * INTO e FROM outbox_effects x WHERE x.id = p_effect_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN 'missing';
+    END IF;
+    IF e.state <> 'sending' OR e.claimed_by IS DISTINCT FROM p_worker THEN
+        RETURN e.state;
+    END IF;
+    IF e.cancel_requested_at IS NOT NULL THEN
+        IF p_uncertain OR e.uncertain THEN
+            UPDATE outbox_effects x SET last_error = p_error, uncertain = true, updated_at = now()
+             WHERE x.id = p_effect_id;
+            RETURN 'sending';
+        END IF;
+        UPDATE outbox_effects x
+           SET state = 'cancelled', last_error = p_error, lease_until = NULL, updated_at = now()
+         WHERE x.id = p_effect_id;
+        PERFORM outbox_budget_release(p_effect_id);
+        RETURN 'cancelled';
+    END IF;
+    UPDATE outbox_effects x
        SET state = 'queued', claimed_by = NULL, lease_until = NULL, last_error = p_error,
-           uncertain = e.uncertain OR p_uncertain, updated_at = now()
-     WHERE e.id = p_effect_id AND e.state = 'sending' AND e.claimed_by = p_worker
-       AND e.cancel_requested_at IS NULL;
-    RETURN FOUND;
+           uncertain = x.uncertain OR p_uncertain, updated_at = now()
+     WHERE x.id = p_effect_id;
+    RETURN 'queued';
 END
 $$;
 

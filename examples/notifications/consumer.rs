@@ -170,7 +170,8 @@ impl<D: Destination + 'static> Handler for Notifier<D> {
         let mut retry: Option<EffectError> = None;
         for key in keys.iter().filter_map(|k| k.as_str()) {
             match self.ledger.perform(&conn, key, &*self.provider).await {
-                Ok(Performed::Sent { .. } | Performed::Withdrawn { .. }) => {}
+                Ok(Performed::Sent { .. } | Performed::Withdrawn { .. } | Performed::Cancelled) => {
+                }
                 // Someone else has it, or it is finished (failed at creation, cancelled).
                 Ok(Performed::NotClaimed { .. }) => {}
                 Ok(Performed::StillOut { external_id, error }) => {

@@ -2,7 +2,7 @@
 //! delivery per channel (unique per ticket, status and channel), reserves the tenant's message
 //! budget for each, and enqueues an outbox event naming the deliveries.
 //!
-//! A delivery is an effect in the kit's ledger (`effect_key` = `delivery:<id>`); the consumer
+//! A delivery is an effect in the kit's ledger (`effect_key` = `delivery:<ticket>:<status>:<channel>`); the consumer
 //! sends it. A tenant out of budget still gets its status change: the delivery is recorded
 //! failed with the reason instead (a savepoint undoes just the reservation attempt).
 
@@ -27,17 +27,20 @@ CREATE TABLE IF NOT EXISTS deliveries (
     ticket_id  bigint NOT NULL REFERENCES tickets (id),
     status     text NOT NULL,
     channel    text NOT NULL,
-    effect_key text UNIQUE,
+    effect_key text NOT NULL UNIQUE,
     created_at timestamptz NOT NULL DEFAULT now(),
     UNIQUE (ticket_id, status, channel)
 );";
 
 const UPDATE_TICKET: &str =
     "UPDATE tickets SET status = $2 WHERE id = $1 RETURNING tenant, email, phone";
-const INSERT_DELIVERY: &str =
-    "INSERT INTO deliveries (ticket_id, status, channel) VALUES ($1, $2, $3)
-     ON CONFLICT (ticket_id, status, channel) DO NOTHING RETURNING id";
-const SET_KEY: &str = "UPDATE deliveries SET effect_key = $2 WHERE id = $1";
+// The effect key names the business fact (this ticket reached this status, notify on this
+// channel), so it is unique for the same reason the delivery is.
+const INSERT_DELIVERIES: &str = "
+INSERT INTO deliveries (ticket_id, status, channel, effect_key)
+SELECT $1::bigint, $2::text, c, 'delivery:' || $1::bigint || ':' || $2::text || ':' || c FROM unnest($3::text[]) AS c
+    ON CONFLICT (ticket_id, status, channel) DO NOTHING
+RETURNING channel, effect_key";
 const FAIL_NOW: &str = "SELECT outbox_effect_fail($1, NULL, $2)";
 const INSERT_TICKET: &str = "INSERT INTO tickets (id, tenant, email, phone) VALUES ($1, $2, $3, $4)
      ON CONFLICT (id) DO NOTHING";
@@ -71,6 +74,9 @@ pub async fn grant(client: &Client, tenant: &str, messages: i64) -> Result<(), H
 
 /// Changes a ticket's status; returns the effect keys of the deliveries it created (none
 /// when the ticket already had this status once).
+///
+/// The budget is reserved last, just before the commit: the reservation locks the tenant's
+/// budget row, and every other status change of that tenant waits for it until we commit.
 pub async fn change_status(
     client: &mut Client,
     outbox: &Outbox,
@@ -80,51 +86,14 @@ pub async fn change_status(
     let mut tx = client.transaction().await?;
     let row = tx.query_one(UPDATE_TICKET, &[&ticket_id, &status]).await?;
     let (tenant, email, phone): (String, String, String) = (row.get(0), row.get(1), row.get(2));
-    let mut keys = Vec::new();
-    for channel in CHANNELS {
-        let Some(d) = tx
-            .query_opt(INSERT_DELIVERY, &[&ticket_id, &status, &channel])
-            .await?
-        else {
-            continue; // this status was notified on this channel before
-        };
-        let delivery_id: i64 = d.get(0);
-        let key = format!("delivery:{delivery_id}");
-        tx.execute(SET_KEY, &[&delivery_id, &key]).await?;
-        let to = if channel == "email" { &email } else { &phone };
-        let payload = json!({
-            "channel": channel,
-            "to": to,
-            "text": format!("ticket {ticket_id} is now {status}"),
-        });
-        let effect = NewEffect {
-            key: &key,
-            destination: "provider",
-            payload: payload.clone(),
-            budget: Some((&tenant, QUOTA, 1)),
-            reserve_now: true,
-        };
-        // The reservation in this transaction; out of budget undoes only this attempt.
-        let sp = tx.savepoint("reserve").await?;
-        match Ledger::enqueue(&sp, &effect).await {
-            Ok(_) => sp.commit().await?,
-            Err(EffectError::OutOfBudget(why)) => {
-                sp.rollback().await?;
-                let id = Ledger::enqueue(
-                    &tx,
-                    &NewEffect {
-                        reserve_now: false,
-                        ..effect
-                    },
-                )
-                .await?;
-                tx.execute(FAIL_NOW, &[&id, &why.to_string()]).await?;
-                continue; // nothing for the consumer to send
-            }
-            Err(e) => return Err(e.into()),
-        }
-        keys.push(key);
-    }
+    let channels: Vec<&str> = CHANNELS.to_vec();
+    let created: Vec<(String, String)> = tx
+        .query(INSERT_DELIVERIES, &[&ticket_id, &status, &channels])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let keys: Vec<String> = created.iter().map(|(_, key)| key.clone()).collect();
     let aggregate_id = ticket_id.to_string();
     let event = NewEvent::new(
         "ticket",
@@ -136,6 +105,36 @@ pub async fn change_status(
         .enqueue(&tx, &event)
         .await
         .map_err(|e| HandlerError::Terminal(e.to_string()))?;
+    for (channel, key) in &created {
+        let to = if channel == "email" { &email } else { &phone };
+        let effect = NewEffect {
+            key,
+            destination: "provider",
+            payload: json!({
+                "channel": channel,
+                "to": to,
+                "text": format!("ticket {ticket_id} is now {status}"),
+            }),
+            budget: Some((&tenant, QUOTA, 1)),
+            reserve_now: true,
+        };
+        // Out of budget undoes only this attempt: the delivery is recorded failed with the
+        // reason, and the consumer finds nothing to send.
+        let sp = tx.savepoint("reserve").await?;
+        match Ledger::enqueue(&sp, &effect).await {
+            Ok(_) => sp.commit().await?,
+            Err(EffectError::OutOfBudget(why)) => {
+                sp.rollback().await?;
+                let unreserved = NewEffect {
+                    reserve_now: false,
+                    ..effect
+                };
+                let id = Ledger::enqueue(&tx, &unreserved).await?;
+                tx.execute(FAIL_NOW, &[&id, &why.to_string()]).await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     tx.commit().await?;
     Ok(keys)
 }

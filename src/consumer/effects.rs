@@ -237,6 +237,8 @@ pub enum Performed {
     Withdrawn { external_id: String },
     /// Cancelled while we were sending, but the destination did not delete it: still out.
     StillOut { external_id: String, error: String },
+    /// Cancelled while we were sending, and the send did not go out: nothing to withdraw.
+    Cancelled,
 }
 
 /// What `cancel` did.
@@ -438,18 +440,21 @@ impl Ledger {
     }
 
     /// Gives our claim back after a transient error (queued again, reservation kept);
-    /// `uncertain` makes the next claimer look it up before sending.
+    /// `uncertain` makes the next claimer look it up before sending. Returns the state the
+    /// row has afterwards: `Queued`; `Cancelled` (a cancel was waiting and nothing went out);
+    /// `Sending` (a cancel was waiting and it may be out: look it up); or what it was when
+    /// it was not ours.
     pub async fn retry(
         &self,
         client: &Client,
         effect_id: i64,
         error: &str,
         uncertain: bool,
-    ) -> Result<bool, DbError> {
-        Ok(self
+    ) -> Result<Option<EffectState>, DbError> {
+        let row = self
             .write(client.query_one(RETRY, &[&effect_id, &self.cfg.worker, &error, &uncertain]))
-            .await?
-            .get(0))
+            .await?;
+        Ok(EffectState::parse(row.get(0)))
     }
 
     async fn write<T>(
@@ -516,7 +521,11 @@ impl Ledger {
                 self.fail(client, effect.id, reason).await?;
             }
             DestinationError::Transient(reason) => {
-                self.retry(client, effect.id, reason, false).await?;
+                if self.retry(client, effect.id, reason, false).await?
+                    == Some(EffectState::Cancelled)
+                {
+                    return Ok(Performed::Cancelled);
+                }
             }
             DestinationError::Unknown(reason) => {
                 if !dest.supports_lookup() {
@@ -527,7 +536,27 @@ impl Ledger {
                         reason: reason.clone(),
                     });
                 }
-                self.retry(client, effect.id, reason, true).await?;
+                if self.retry(client, effect.id, reason, true).await? == Some(EffectState::Sending)
+                {
+                    // A cancel is waiting and the item may be out: find it and withdraw it.
+                    let found = within(self.cfg.send_timeout, "lookup", dest.lookup(effect)).await;
+                    if let Ok(Some(external_id)) = found {
+                        return Ok(withdraw(
+                            client,
+                            dest,
+                            effect.id,
+                            &external_id,
+                            self.cfg.send_timeout,
+                        )
+                        .await?);
+                    }
+                    return Err(EffectError::InDoubt {
+                        key: effect.key.clone(),
+                        reason: format!(
+                            "cancel requested and the outcome is unknown ({reason}); the reconciler looks it up after the lease"
+                        ),
+                    });
+                }
             }
         }
         Err(EffectError::Destination(e))

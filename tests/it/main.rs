@@ -4,4 +4,5 @@
 mod support;
 
 mod consumer;
+mod notifications;
 mod relay_core;
