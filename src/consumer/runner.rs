@@ -540,7 +540,7 @@ impl Session {
         let mut consumer = std::pin::pin!(consumer);
         let mut in_hand = FuturesUnordered::new();
         let mut taking = true;
-        let mut lost: Option<String> = None;
+        let mut lost: Option<(String, usize)> = None;
         let prefetch = cfg.prefetch.get() as usize;
         loop {
             if !taking && in_hand.is_empty() {
@@ -572,22 +572,22 @@ impl Session {
                 }
                 Wake::Delivery(Some(Err(e))) => {
                     taking = false;
-                    lost = Some(e.to_string());
+                    lost = Some((e.to_string(), in_hand.len()));
                 }
                 Wake::Delivery(None) => {
                     taking = false;
-                    lost = Some("the broker cancelled the consumer".into());
+                    lost = Some(("the broker cancelled the consumer".into(), in_hand.len()));
                 }
                 Wake::Lost(why) => {
                     // Let the messages in hand finish (bounded by handler_timeout); their
                     // acks fail and the broker redelivers them, which the inbox absorbs.
                     taking = false;
-                    lost = Some(why);
+                    lost = Some((why, in_hand.len()));
                 }
             }
         }
         match lost {
-            Some(why) if !shutdown.is_cancelled() => Ended::Lost(why, 0),
+            Some((why, in_hand)) if !shutdown.is_cancelled() => Ended::Lost(why, in_hand),
             _ => Ended::Shutdown,
         }
     }
@@ -762,7 +762,7 @@ async fn settle<H: Handler>(
                 );
                 let mut extra = FieldTable::default();
                 extra.insert(H_GAP_SINCE.into(), AMQPValue::LongLongInt(since));
-                republish_delayed(shared, d, msg, ordered.gap_retry, extra).await;
+                republish_delayed(shared, d, ordered.gap_retry, extra).await;
                 return;
             }
             match ordered.on_gap {
@@ -831,7 +831,7 @@ async fn settle<H: Handler>(
             );
             let mut extra = FieldTable::default();
             extra.insert(H_ATTEMPT.into(), AMQPValue::LongLongInt(attempt as i64));
-            republish_delayed(shared, d, msg, delay, extra).await;
+            republish_delayed(shared, d, delay, extra).await;
         }
         Err(e) => dead_letter(shared, d, Some(msg), &e.to_string()).await,
     }
@@ -938,13 +938,7 @@ async fn publish_dead(shared: &Shared, d: &Delivery, reason: &str) -> bool {
 }
 
 /// Publishes a copy to the retry queue for `delay`, then acks the original.
-async fn republish_delayed(
-    shared: &Shared,
-    d: &Delivery,
-    _msg: &Message,
-    delay: Duration,
-    extra: FieldTable,
-) {
+async fn republish_delayed(shared: &Shared, d: &Delivery, delay: Duration, extra: FieldTable) {
     let routing_key = original_routing_key(d);
     let props = with_headers(d, &routing_key, extra);
     let queue = shared.cfg.retry_queue(delay);

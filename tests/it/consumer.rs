@@ -827,3 +827,116 @@ async fn the_reconciler_resolves_through_lookup_or_lists_for_review() {
         .get(0);
     assert_eq!(left, 3, "arrived, lost and the stuck fax-1 stay");
 }
+
+/// The broker closes the consumer's connection: the runner reconnects by itself and goes on
+/// applying, with nothing applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_runner_reconnects_after_the_broker_closes_its_connection() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let exchange = unique("it.ex").replace('_', ".");
+    let cfg = consumer_config(&exchange);
+    let running = Running::start(
+        &db,
+        cfg.clone(),
+        Arc::new(Recorder {
+            dest: Arc::new(FakeDest::new("none", false)),
+            ledger: ledger("w"),
+        }),
+    );
+    kit::wait_queue_ready(&cfg.queue).await;
+    let publisher = RawPublisher::new(&exchange).await;
+    publisher.publish(&RawEvent::new("a", 1, json!({}))).await;
+    wait_for(
+        "the first event applied",
+        Duration::from_secs(20),
+        || async { (applied(&client).await.len() == 1).then_some(()) },
+    )
+    .await;
+    let closed = crate::support::close_connections(&cfg.connection_name).await;
+    assert!(closed >= 1, "no connection named {}", cfg.connection_name);
+    for i in 0..5 {
+        publisher
+            .publish(&RawEvent::new(&format!("b{i}"), 1, json!({})))
+            .await;
+    }
+    wait_for(
+        "events after the reconnect applied",
+        Duration::from_secs(30),
+        || async { (applied(&client).await.len() == 6).then_some(()) },
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(applied(&client).await.len(), 6);
+    kit::delete_topology(&cfg).await;
+}
+
+/// Holds every message until the test opens the gate.
+struct Slow {
+    gate: Arc<Notify>,
+    entered: Arc<Notify>,
+}
+
+impl Handler for Slow {
+    async fn handle(&self, cx: &Context<'_>, msg: &Message) -> Result<(), HandlerError> {
+        cx.tx()
+            .execute(
+                "INSERT INTO it_applied (event_id, aggregate_id, seq) VALUES ($1, $2, $3)",
+                &[&msg.event_id, &msg.aggregate_id, &msg.seq],
+            )
+            .await?;
+        self.entered.notify_one();
+        self.gate.notified().await;
+        Ok(())
+    }
+}
+
+/// A graceful stop while a message is in hand: the runner does not return until that message
+/// is committed and acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_graceful_stop_finishes_the_message_in_hand() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let exchange = unique("it.ex").replace('_', ".");
+    let mut cfg = consumer_config(&exchange);
+    cfg.prefetch = std::num::NonZeroU16::new(1).unwrap();
+    let (gate, entered) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let mut running = Running::start(
+        &db,
+        cfg.clone(),
+        Arc::new(Slow {
+            gate: gate.clone(),
+            entered: entered.clone(),
+        }),
+    );
+    kit::wait_queue_ready(&cfg.queue).await;
+    let publisher = RawPublisher::new(&exchange).await;
+    let first = RawEvent::new("a", 1, json!({}));
+    publisher.publish(&first).await;
+    publisher.publish(&RawEvent::new("b", 1, json!({}))).await;
+    tokio::time::timeout(Duration::from_secs(20), entered.notified())
+        .await
+        .expect("the handler started");
+    running.stop.cancel();
+    // The gate is closed: the runner must still be waiting for the message in hand.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut running.handle)
+            .await
+            .is_err(),
+        "the runner returned with a message in hand"
+    );
+    gate.notify_one();
+    tokio::time::timeout(Duration::from_secs(20), running.handle)
+        .await
+        .expect("stops once the message is done")
+        .unwrap()
+        .unwrap();
+    let rows = applied(&client).await;
+    assert_eq!(rows.len(), 1, "only the message in hand: {rows:?}");
+    assert_eq!(rows[0].2, first.event_id);
+    // Acked: only the second message is left in the queue, unapplied.
+    assert_eq!(queue_depth(&cfg.queue).await, 1);
+    kit::delete_topology(&cfg).await;
+}
