@@ -940,3 +940,47 @@ async fn a_graceful_stop_finishes_the_message_in_hand() {
     assert_eq!(queue_depth(&cfg.queue).await, 1);
     kit::delete_topology(&cfg).await;
 }
+
+/// The row changes under a worker while it sends (an operator fails it): the worker's
+/// write-back is refused and its item is withdrawn at the destination.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_back_to_a_row_no_longer_ours_withdraws_the_item() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let id = enqueue(&client, "webhook-1", "hooks", None).await;
+    let gate = Arc::new(Notify::new());
+    let dest = Arc::new(FakeDest {
+        gate: Some(gate.clone()),
+        ..FakeDest::new("hooks", false)
+    });
+    let worker = db.client().await;
+    let d = dest.clone();
+    let sending =
+        tokio::spawn(async move { ledger("worker").perform(&worker, "webhook-1", &*d).await });
+    tokio::time::timeout(Duration::from_secs(5), dest.entered.notified())
+        .await
+        .expect("send started");
+    let by_operator: bool = client
+        .query_one(
+            "SELECT outbox_effect_fail($1, NULL, 'stopped by an operator')",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(by_operator);
+    gate.notify_one();
+    let performed = sending.await.unwrap().unwrap();
+    assert!(
+        matches!(performed, Performed::Withdrawn { .. }),
+        "{performed:?}"
+    );
+    assert_eq!(dest.accepted("webhook-1"), 1);
+    assert!(!dest.is_live("webhook-1"), "withdrawn");
+    let row = Ledger::get(&client, "webhook-1").await.unwrap().unwrap();
+    assert_eq!(
+        row.state,
+        EffectState::Failed,
+        "the operator's verdict stands"
+    );
+}
