@@ -126,6 +126,35 @@ pub enum Command {
     },
     /// Put parked rows back to pending (attempts reset); they are published in per-key order.
     Redrive(RedriveArgs),
+    /// Consumer kit: list effects stuck in `sending` for review and delete old ledger and
+    /// inbox rows (resolving through lookups needs the library: consumer::reconcile).
+    Reconcile(ReconcileArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReconcileArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    /// An effect in `sending` this long after its claim (and past its lease) is stuck.
+    #[arg(long, env = "OUTBOX_STUCK_AFTER", default_value = "10m")]
+    pub stuck_after: String,
+
+    /// The longest send any consumer allows; --stuck-after must be longer.
+    #[arg(long, env = "OUTBOX_SEND_TIMEOUT", default_value = "30s")]
+    pub send_timeout: String,
+
+    /// Finished effects and inbox rows older than this are deleted.
+    #[arg(long, env = "OUTBOX_RECONCILE_RETENTION", default_value = "7d")]
+    pub retention: String,
+
+    /// Rows deleted per statement.
+    #[arg(long, env = "OUTBOX_RECONCILE_BATCH_SIZE", default_value = "1000")]
+    pub batch_size: String,
+
+    /// Run again at this interval until SIGTERM (default: one pass, then exit).
+    #[arg(long, env = "OUTBOX_RECONCILE_EVERY")]
+    pub every: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -402,6 +431,12 @@ pub enum Config {
         filter: ParkedFilter,
         dry_run: bool,
     },
+    Reconcile {
+        db: DbTarget,
+        schema: Schema,
+        reconcile: crate::consumer::reconcile::ReconcileConfig,
+        every: Option<Duration>,
+    },
 }
 
 /// `--since`: a duration ago or an RFC 3339 time.
@@ -476,6 +511,27 @@ impl Cli {
             Command::Migrate(db) => {
                 let (db, schema) = db.parse(files)?;
                 Ok(Config::Migrate { db, schema })
+            }
+            Command::Reconcile(a) => {
+                let (db, schema) = a.db.parse(files)?;
+                let batch_size: NonZeroUsize = positive("--batch-size", &a.batch_size)?;
+                let reconcile = crate::consumer::reconcile::ReconcileConfig::new(
+                    duration("--stuck-after", &a.stuck_after)?,
+                    duration("--retention", &a.retention)?,
+                    batch_size,
+                    duration("--send-timeout", &a.send_timeout)?,
+                )?;
+                let every = a
+                    .every
+                    .as_deref()
+                    .map(|raw| duration("--every", raw))
+                    .transpose()?;
+                Ok(Config::Reconcile {
+                    db,
+                    schema,
+                    reconcile,
+                    every,
+                })
             }
             Command::Status(a) => {
                 let (db, schema) = a.db.parse(files)?;
@@ -765,6 +821,39 @@ mod tests {
         assert_eq!(
             run_config(&["--amqp-url", "http://x"]).unwrap_err().flag,
             "--amqp-url"
+        );
+    }
+
+    fn reconcile_config(args: &[&str]) -> Result<Config, ConfigError> {
+        let mut argv = vec!["outbox-relay", "reconcile"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv)
+            .expect("clap accepts")
+            .into_config(&SecretFiles::default())
+    }
+
+    #[test]
+    fn reconcile_defaults_are_valid() {
+        let Config::Reconcile {
+            reconcile, every, ..
+        } = reconcile_config(&[]).unwrap()
+        else {
+            panic!("reconcile expected")
+        };
+        assert_eq!(reconcile.stuck_after, Duration::from_secs(600));
+        assert_eq!(every, None);
+    }
+
+    #[test]
+    fn reconcile_thresholds_shorter_than_their_work_name_the_flag() {
+        let err = reconcile_config(&["--stuck-after", "10s", "--send-timeout", "30s"]).unwrap_err();
+        assert_eq!(err.flag, "--stuck-after");
+        assert!(err.problem.contains("--send-timeout"), "{}", err.problem);
+        let err = reconcile_config(&["--retention", "5m"]).unwrap_err();
+        assert_eq!(err.flag, "--retention");
+        assert_eq!(
+            reconcile_config(&["--every", "often"]).unwrap_err().flag,
+            "--every"
         );
     }
 

@@ -9,6 +9,7 @@
 //! flags into [`config::Config`] and passes connections and a shutdown token in.
 
 pub mod config;
+pub mod consumer;
 pub mod db;
 pub mod http;
 pub mod operator;

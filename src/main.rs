@@ -139,6 +139,29 @@ async fn run(config: Config) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Config::Reconcile {
+            db,
+            schema,
+            reconcile,
+            every,
+        } => {
+            let shutdown = shutdown_on_signals();
+            let client = db
+                .connect(&schema, "outbox-relay-reconcile")
+                .await
+                .context("cannot connect to postgres")?;
+            loop {
+                let report = outbox_relay::consumer::reconcile::review(&client, &reconcile)
+                    .await
+                    .context("reconcile failed")?;
+                print_reconcile(&report, &reconcile);
+                let Some(every) = every else { return Ok(()) };
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(every) => {}
+                }
+            }
+        }
         Config::Status { db, schema, json } => {
             let client = db
                 .connect(&schema, "outbox-relay-status")
@@ -234,6 +257,39 @@ async fn run(config: Config) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// One line per stuck effect (for review), then a summary line.
+fn print_reconcile(
+    report: &outbox_relay::consumer::reconcile::Report,
+    cfg: &outbox_relay::consumer::reconcile::ReconcileConfig,
+) {
+    for s in &report.review {
+        println!(
+            "review: effect {} (destination {}) sending since {} claimed by {}, attempt {}{}{}",
+            s.key,
+            s.destination,
+            humantime::format_rfc3339_seconds(s.claimed_at),
+            s.claimed_by,
+            s.attempts,
+            if s.cancel_requested {
+                ", cancel requested"
+            } else {
+                ""
+            },
+            s.last_error
+                .as_deref()
+                .map(|e| format!(", last error: {e}"))
+                .unwrap_or_default(),
+        );
+    }
+    println!(
+        "reconcile: {} stuck effects for review; deleted {} finished effects and {} inbox rows older than {}",
+        report.review.len(),
+        report.effects_deleted,
+        report.inbox_deleted,
+        humantime::format_duration(cfg.retention),
+    );
 }
 
 /// Applies migrations, waiting for Postgres if it is not up yet. Returns false if a

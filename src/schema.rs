@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0002_relay.sql",
         sql: include_str!("../sql/0002_relay.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_consumer.sql",
+        sql: include_str!("../sql/0003_consumer.sql"),
+    },
 ];
 
 #[derive(Debug, thiserror::Error)]

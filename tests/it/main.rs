@@ -3,8 +3,10 @@
 
 mod support;
 
+mod consumer;
 mod docs;
 mod migrate;
+mod notifications;
 mod relay_core;
 mod relay_faults;
 mod scale_out;

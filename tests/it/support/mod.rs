@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub mod checker;
+pub mod kit;
 pub mod process;
 
 use std::collections::HashMap;
