@@ -14,6 +14,7 @@ async fn readme_documents_every_flag() {
         &["status"],
         &["parked", "list"],
         &["redrive"],
+        &["reconcile"],
     ] {
         let mut args = command.to_vec();
         args.push("--help");
