@@ -10,9 +10,15 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
-use tokio_postgres::{Client, Connection, NoTls, Socket, tls::NoTlsStream};
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::{Client, Connection, Socket};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::config::Schema;
+use crate::tls::{PgTls, split_tls_params};
+
+/// A dedicated connection (TLS or not, as `sslmode` says); the caller drives it.
+pub type PgConnection = Connection<Socket, <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream>;
 
 /// How long any single database round trip may take before we give up on it.
 pub const DB_TIMEOUT: Duration = Duration::from_secs(30);
@@ -21,6 +27,7 @@ pub const DB_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct DbTarget {
     config: tokio_postgres::Config,
+    tls: PgTls,
 }
 
 impl fmt::Debug for DbTarget {
@@ -30,6 +37,7 @@ impl fmt::Debug for DbTarget {
             .field("ports", &self.config.get_ports())
             .field("user", &self.config.get_user())
             .field("dbname", &self.config.get_dbname())
+            .field("tls", &self.tls)
             .finish_non_exhaustive()
     }
 }
@@ -72,9 +80,11 @@ impl DbError {
     /// statement the server will refuse again (permissions, missing schema, bad SQL).
     pub fn is_transient(&self) -> bool {
         match self {
-            DbError::Timeout(_) | DbError::Pool(_) | DbError::Closed => true,
+            DbError::Timeout(_) | DbError::Closed => true,
+            // A certificate the roots do not vouch for stays so: stop and say so.
+            DbError::Pool(e) => !crate::tls::is_certificate_error(e),
             DbError::Postgres(e) => match e.code() {
-                None => true,
+                None => !crate::tls::is_certificate_error(e),
                 Some(code) => {
                     let c = code.code();
                     // 08: connection exception, 53: insufficient resources, 57: operator
@@ -102,12 +112,18 @@ pub async fn deadline<T, E: Into<DbError>>(
 impl DbTarget {
     /// Parses a URL (`postgres://...`) or key=value connection string.
     pub fn parse(raw: &str) -> Result<DbTarget, String> {
-        let config = tokio_postgres::Config::from_str(raw)
+        let (rest, tls) = split_tls_params(raw)?;
+        let config = tokio_postgres::Config::from_str(&rest)
             .map_err(|e| format!("not a valid Postgres connection string ({e})"))?;
         if config.get_hosts().is_empty() {
             return Err("names no host; write it like postgres://user@host:5432/db".into());
         }
-        Ok(DbTarget { config })
+        Ok(DbTarget { config, tls })
+    }
+
+    /// The TLS policy (`sslmode`, `sslrootcert`).
+    pub fn tls(&self) -> &PgTls {
+        &self.tls
     }
 
     /// The database name, or the user name when none is given (libpq's rule).
@@ -119,7 +135,10 @@ impl DbTarget {
     pub fn with_dbname(&self, dbname: &str) -> DbTarget {
         let mut config = self.config.clone();
         config.dbname(dbname);
-        DbTarget { config }
+        DbTarget {
+            config,
+            tls: self.tls.clone(),
+        }
     }
 
     /// The tokio-postgres configuration with our session settings: search_path set to the
@@ -151,7 +170,7 @@ impl DbTarget {
     pub fn pool(&self, schema: &Schema, application_name: &str, size: usize) -> Pool {
         let manager = Manager::from_config(
             self.session_config(schema, application_name),
-            NoTls,
+            self.tls.connector(),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -174,8 +193,12 @@ impl DbTarget {
         &self,
         schema: &Schema,
         application_name: &str,
-    ) -> Result<(Client, Connection<Socket, NoTlsStream>), DbError> {
-        deadline(self.session_config(schema, application_name).connect(NoTls)).await
+    ) -> Result<(Client, PgConnection), DbError> {
+        deadline(
+            self.session_config(schema, application_name)
+                .connect(self.tls.connector()),
+        )
+        .await
     }
 
     /// A dedicated connection driven in the background; for commands and tests.

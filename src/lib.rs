@@ -17,3 +17,4 @@ pub mod producer;
 pub mod relay;
 pub mod schema;
 pub mod telemetry;
+pub mod tls;

@@ -88,20 +88,19 @@ impl AmqpTarget {
 
     /// Trusts the CA certificates in the PEM file `path` for amqps:// connections.
     pub fn with_ca_file(mut self, path: &std::path::Path) -> Result<AmqpTarget, String> {
+        if self.uri.scheme != lapin::uri::AMQPScheme::AMQPS {
+            return Err("a CA file needs an amqps:// URL".into());
+        }
         let pem = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         if !pem.contains("-----BEGIN CERTIFICATE-----") {
             return Err(format!("{} holds no PEM certificate", path.display()));
         }
-        if self.uri.scheme != lapin::uri::AMQPScheme::AMQPS {
-            return Err("a CA file needs an amqps:// URL".into());
-        }
         self.ca_pem = Some(pem);
         Ok(self)
     }
 
-    /// The same broker with other credentials or vhost is not needed; tests use this to
-    /// point at another port (a proxy).
+    /// The same broker on another port (tests point the relay at a proxy).
     pub fn with_port(&self, port: u16) -> AmqpTarget {
         let mut t = self.clone();
         t.uri.authority.port = port;
@@ -115,12 +114,20 @@ impl AmqpTarget {
     /// Opens a plain connection (for tests and the consumer side).
     pub async fn connect(&self, name: &str) -> Result<Connection, PublishError> {
         let props = ConnectionProperties::default().with_connection_name(name.into());
-        let conn = tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            Connection::connect_uri(self.uri.clone(), props),
-        )
-        .await
-        .map_err(|_| PublishError::Timeout("connect"))??;
+        // Extra trusted roots for amqps:// (the system's are always trusted too).
+        let tls = lapin::tcp::OwnedTLSConfig {
+            identity: None,
+            cert_chain: self.ca_pem.clone(),
+        };
+        let connect = Connection::connect_uri_with_config(
+            self.uri.clone(),
+            props,
+            tls,
+            lapin::runtime::default_runtime()?,
+        );
+        let conn = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| PublishError::Timeout("connect"))??;
         Ok(conn)
     }
 }

@@ -7,6 +7,7 @@ mod consumer;
 mod docs;
 mod migrate;
 mod notifications;
+mod operability;
 mod relay_core;
 mod relay_faults;
 mod scale_out;

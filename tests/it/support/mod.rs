@@ -11,6 +11,8 @@
 pub mod checker;
 pub mod kit;
 pub mod process;
+pub mod proxy;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -18,6 +18,15 @@ pub fn binary() -> &'static str {
 impl RelayProcess {
     /// Starts `outbox-relay run` with `args`; stderr goes to a log file under target/.
     pub fn start(name: &str, args: &[String]) -> RelayProcess {
+        Self::start_with_env(
+            name,
+            args,
+            &[("RUST_LOG", "info,outbox_relay=debug,lapin=error")],
+        )
+    }
+
+    /// As [`RelayProcess::start`], with these environment variables.
+    pub fn start_with_env(name: &str, args: &[String], env: &[(&str, &str)]) -> RelayProcess {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join(format!("{name}.log"));
@@ -29,7 +38,7 @@ impl RelayProcess {
         let child = Command::new(binary())
             .arg("run")
             .args(args)
-            .env("RUST_LOG", "info,outbox_relay=debug,lapin=error")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)
             .kill_on_drop(true)
