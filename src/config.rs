@@ -323,6 +323,18 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
 
+    /// Add the CloudEvents AMQP binding headers (cloudEvents:id, :type, :source, :time, ...).
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS")]
+    pub cloudevents: bool,
+
+    /// The CloudEvents `source` attribute, with --cloudevents.
+    #[arg(
+        long,
+        env = "OUTBOX_CLOUDEVENTS_SOURCE",
+        default_value = "/outbox-relay"
+    )]
+    pub cloudevents_source: String,
+
     /// Delete dispatched rows older than this (for example 7d), or "off" to keep them.
     #[arg(long, env = "OUTBOX_RETENTION", default_value = "off")]
     pub retention: String,
@@ -693,7 +705,14 @@ impl Cli {
                     retry_max,
                     max_in_memory_bytes,
                     retention,
+                    cloudevents_source: a.cloudevents.then(|| a.cloudevents_source.clone()),
                 };
+                if a.cloudevents && a.cloudevents_source.trim().is_empty() {
+                    return Err(ConfigError::new(
+                        "--cloudevents-source",
+                        "must not be empty",
+                    ));
+                }
                 Ok(Config::Run {
                     db,
                     amqp,

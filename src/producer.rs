@@ -44,12 +44,35 @@ pub struct NewEvent<'a> {
     pub routing_key: Option<&'a str>,
     /// Publish no earlier than this.
     pub available_at: Option<SystemTime>,
-    /// W3C trace context to carry as AMQP headers.
-    pub traceparent: Option<&'a str>,
-    pub tracestate: Option<&'a str>,
+    /// W3C trace context to carry as AMQP headers. With the `otel` feature, events enqueued
+    /// without one take the current tracing span's (see [`NewEvent::with_current_span`]).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 impl<'a> NewEvent<'a> {
+    /// Takes `traceparent` and `tracestate` from the current tracing span's OpenTelemetry
+    /// context (a `tracing_opentelemetry` layer must be installed). No valid context: no change.
+    #[cfg(feature = "otel")]
+    pub fn with_current_span(mut self) -> Self {
+        use opentelemetry::trace::TraceContextExt;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let cx = tracing::Span::current().context();
+        let span = cx.span();
+        let sc = span.span_context();
+        if sc.is_valid() {
+            self.traceparent = Some(format!(
+                "00-{}-{}-{:02x}",
+                sc.trace_id(),
+                sc.span_id(),
+                sc.trace_flags().to_u8()
+            ));
+            let state = sc.trace_state().header();
+            self.tracestate = (!state.is_empty()).then_some(state);
+        }
+        self
+    }
+
     pub fn new(
         aggregate_type: &'a str,
         aggregate_id: &'a str,
@@ -137,8 +160,19 @@ impl Outbox {
         let aggregate_ids: Vec<&str> = events.iter().map(|e| e.aggregate_id).collect();
         let event_types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
         let routing_keys: Vec<Option<&str>> = events.iter().map(|e| e.routing_key).collect();
-        let traceparents: Vec<Option<&str>> = events.iter().map(|e| e.traceparent).collect();
-        let tracestates: Vec<Option<&str>> = events.iter().map(|e| e.tracestate).collect();
+        #[cfg(feature = "otel")]
+        let current = NewEvent::new("", "", "", Value::Null).with_current_span();
+        let trace = |e: &'_ NewEvent<'_>| -> (Option<String>, Option<String>) {
+            if e.traceparent.is_some() {
+                return (e.traceparent.clone(), e.tracestate.clone());
+            }
+            #[cfg(feature = "otel")]
+            return (current.traceparent.clone(), current.tracestate.clone());
+            #[cfg(not(feature = "otel"))]
+            (None, None)
+        };
+        let (traceparents, tracestates): (Vec<Option<String>>, Vec<Option<String>>) =
+            events.iter().map(trace).unzip();
         let payloads: Vec<&Value> = events.iter().map(|e| &e.payload).collect();
         let headers: Vec<Option<&Value>> = events.iter().map(|e| e.headers.as_ref()).collect();
         let available: Vec<Option<SystemTime>> = events.iter().map(|e| e.available_at).collect();

@@ -70,6 +70,8 @@ pub struct RelayConfig {
     pub max_in_memory_bytes: NonZeroUsize,
     /// Delete dispatched rows older than this (`--retention`); `None` keeps them.
     pub retention: Option<Duration>,
+    /// `--cloudevents`: the CloudEvents `source` to publish with; `None` adds no such headers.
+    pub cloudevents_source: Option<String>,
 }
 
 impl RelayConfig {
@@ -93,6 +95,7 @@ impl RelayConfig {
             retry_max: Duration::from_secs(60),
             max_in_memory_bytes: NonZeroUsize::new(64 << 20).expect("non-zero"),
             retention: None,
+            cloudevents_source: None,
         }
     }
 }
@@ -364,6 +367,7 @@ impl Retry {
 }
 
 struct Engine {
+    message_options: publish::MessageOptions,
     cfg: RelayConfig,
     deps: Deps,
     tel: Telemetry,
@@ -407,6 +411,9 @@ impl Engine {
     fn new(deps: Deps, cfg: RelayConfig, id: Identity) -> Engine {
         let (settled_tx, _) = mpsc::unbounded_channel();
         Engine {
+            message_options: publish::MessageOptions {
+                cloudevents_source: cfg.cloudevents_source.clone(),
+            },
             wakeup_wanted: cfg.listen,
             tel: deps.telemetry.clone(),
             cfg,
@@ -651,7 +658,7 @@ impl Engine {
                 break;
             };
             let (key, id, partition) = (Key::of(row), row.id, row.partition);
-            match publish::prepare(row, max_message) {
+            match publish::prepare(row, max_message, &self.message_options) {
                 Ok(message) => {
                     session.publish(partition, message);
                     sent += 1;

@@ -247,8 +247,21 @@ pub struct Prepared {
 
 const RESERVED_PREFIX: &str = "x-outbox-";
 
+/// How messages are built beyond the contract's fixed parts.
+#[derive(Clone, Debug, Default)]
+pub struct MessageOptions {
+    /// `--cloudevents`: add the CloudEvents AMQP binding headers with this `source`.
+    pub cloudevents_source: Option<String>,
+}
+
+const CLOUDEVENTS_PREFIX: &str = "cloudevents:";
+
 /// Builds the AMQP message for a row, per the contract (README, "Message published").
-pub fn prepare(row: &ClaimedRow, max_message_bytes: usize) -> Result<Prepared, Refusal> {
+pub fn prepare(
+    row: &ClaimedRow,
+    max_message_bytes: usize,
+    options: &MessageOptions,
+) -> Result<Prepared, Refusal> {
     let Some(body) = row.body.clone() else {
         return Err(Refusal::TooLarge {
             bytes: row.body_bytes,
@@ -262,6 +275,11 @@ pub fn prepare(row: &ClaimedRow, max_message_bytes: usize) -> Result<Prepared, R
     };
     let mut headers = FieldTable::default();
     for (name, value) in user {
+        if options.cloudevents_source.is_some()
+            && name.to_ascii_lowercase().starts_with(CLOUDEVENTS_PREFIX)
+        {
+            continue; // set below from the row's columns
+        }
         let upper = name.to_ascii_uppercase();
         let lower = name.to_ascii_lowercase();
         if upper == "CC"
@@ -289,6 +307,21 @@ pub fn prepare(row: &ClaimedRow, max_message_bytes: usize) -> Result<Prepared, R
     put("x-outbox-aggregate-id", long_string(&row.aggregate_id));
     put("x-outbox-seq", AMQPValue::LongLongInt(row.seq));
     put("x-outbox-created-at", long_string(&row.created_text));
+    if let Some(source) = &options.cloudevents_source {
+        // The CloudEvents AMQP binding: attributes as `cloudEvents:`-prefixed headers
+        // (content type is the message property). A user header of the same name is
+        // replaced: these describe the event the relay publishes.
+        put("cloudEvents:specversion", long_string("1.0"));
+        put("cloudEvents:id", long_string(&row.event_id.to_string()));
+        put("cloudEvents:type", long_string(&row.event_type));
+        put("cloudEvents:source", long_string(source));
+        put(
+            "cloudEvents:subject",
+            long_string(&format!("{}/{}", row.aggregate_type, row.aggregate_id)),
+        );
+        put("cloudEvents:time", long_string(&row.created_text));
+        size += 256 + source.len() + row.event_type.len();
+    }
     if let Some(tp) = &row.traceparent {
         put("traceparent", long_string(tp));
     }
@@ -864,7 +897,7 @@ mod tests {
         let mut row = ClaimedRow::for_test(7, "order", "42", 3);
         row.headers = r#"{"tenant": "acme", "n": 5, "ok": true}"#.into();
         row.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
-        let p = prepare(&row, 1 << 20).unwrap();
+        let p = prepare(&row, 1 << 20, &MessageOptions::default()).unwrap();
         assert_eq!(
             p.properties.message_id().as_ref().unwrap().as_str(),
             row.event_id.to_string()
@@ -885,20 +918,60 @@ mod tests {
     }
 
     #[test]
+    fn cloudevents_headers_come_from_the_row() {
+        let mut row = ClaimedRow::for_test(7, "order", "42", 3);
+        row.headers = r#"{"cloudEvents:type": "forged"}"#.into();
+        let options = MessageOptions {
+            cloudevents_source: Some("/shop".into()),
+        };
+        let p = prepare(&row, 1 << 20, &options).unwrap();
+        let h = p.properties.headers().as_ref().unwrap().inner();
+        let text = |k: &str| match h.get(k) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            other => panic!("{k}: {other:?}"),
+        };
+        assert_eq!(text("cloudEvents:specversion"), "1.0");
+        assert_eq!(text("cloudEvents:id"), row.event_id.to_string());
+        assert_eq!(text("cloudEvents:type"), "created");
+        assert_eq!(text("cloudEvents:source"), "/shop");
+        assert_eq!(text("cloudEvents:subject"), "order/42");
+        assert_eq!(text("cloudEvents:time"), row.created_text);
+        let plain = prepare(&row, 1 << 20, &MessageOptions::default()).unwrap();
+        assert!(
+            !plain
+                .properties
+                .headers()
+                .as_ref()
+                .unwrap()
+                .inner()
+                .contains_key("cloudEvents:id")
+        );
+    }
+
+    #[test]
     fn reserved_headers_and_oversize_are_refused() {
         let mut row = ClaimedRow::for_test(7, "order", "42", 1);
         row.headers = r#"{"CC": "other.key"}"#.into();
-        assert!(matches!(prepare(&row, 1 << 20), Err(Refusal::BadHeader(_))));
+        assert!(matches!(
+            prepare(&row, 1 << 20, &MessageOptions::default()),
+            Err(Refusal::BadHeader(_))
+        ));
         row.headers = r#"{"X-Outbox-Seq": 1}"#.into();
-        assert!(matches!(prepare(&row, 1 << 20), Err(Refusal::BadHeader(_))));
+        assert!(matches!(
+            prepare(&row, 1 << 20, &MessageOptions::default()),
+            Err(Refusal::BadHeader(_))
+        ));
         row.headers = "{}".into();
         row.body = None;
         row.body_bytes = 5_000_000;
         assert!(matches!(
-            prepare(&row, 1 << 20),
+            prepare(&row, 1 << 20, &MessageOptions::default()),
             Err(Refusal::TooLarge { .. })
         ));
         row.body = Some("x".repeat(1000).into());
-        assert!(matches!(prepare(&row, 600), Err(Refusal::TooLarge { .. })));
+        assert!(matches!(
+            prepare(&row, 600, &MessageOptions::default()),
+            Err(Refusal::TooLarge { .. })
+        ));
     }
 }

@@ -456,3 +456,86 @@ async fn bad_tls_settings_exit_2() {
         assert!(err.contains(flag) && err.contains(says), "{all:?}: {err}");
     }
 }
+
+/// --cloudevents adds the CloudEvents AMQP binding headers from the row's columns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_headers_arrive() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    config.cloudevents_source = Some("/shop/orders".into());
+    let relay = InProcessRelay::start(&db, config);
+    let client = db.client().await;
+    let id: uuid::Uuid = client
+        .query_one(
+            "SELECT outbox_enqueue('order', '7', 'order.placed', '{}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    broker.wait_count(1, Duration::from_secs(20)).await;
+    relay.stop().await;
+    let m = &broker.received()[0];
+    assert_eq!(
+        m.header_str("cloudEvents:specversion").as_deref(),
+        Some("1.0")
+    );
+    assert_eq!(m.header_str("cloudEvents:id"), Some(id.to_string()));
+    assert_eq!(
+        m.header_str("cloudEvents:type").as_deref(),
+        Some("order.placed")
+    );
+    assert_eq!(
+        m.header_str("cloudEvents:source").as_deref(),
+        Some("/shop/orders")
+    );
+    assert_eq!(
+        m.header_str("cloudEvents:subject").as_deref(),
+        Some("order/7")
+    );
+    assert_eq!(
+        m.header_str("cloudEvents:time"),
+        m.header_str("x-outbox-created-at")
+    );
+}
+
+/// With the `otel` feature, the producer API takes traceparent/tracestate from the
+/// current span, and they arrive as headers.
+#[cfg(feature = "otel")]
+#[tokio::test(flavor = "current_thread")]
+async fn the_producer_takes_the_current_span_trace_context() {
+    use opentelemetry::trace::{TraceContextExt, TracerProvider};
+    use outbox_relay::producer::{NewEvent, Outbox};
+    use tracing::Instrument;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("it")));
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let relay = InProcessRelay::start(&db, test_config(&broker));
+    let client = db.client().await;
+    let outbox = Outbox::new("public").unwrap();
+    let span = tracing::info_span!("place order");
+    let trace_id = span.context().span().span_context().trace_id().to_string();
+    let event = NewEvent::new("order", "9", "placed", serde_json::json!({}));
+    outbox
+        .enqueue(&client, &event)
+        .instrument(span)
+        .await
+        .unwrap();
+    broker.wait_count(1, Duration::from_secs(20)).await;
+    relay.stop().await;
+    let tp = broker.received()[0]
+        .header_str("traceparent")
+        .expect("traceparent header");
+    assert!(
+        tp.starts_with(&format!("00-{trace_id}-")),
+        "{tp} carries trace {trace_id}"
+    );
+}
