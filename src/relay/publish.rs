@@ -42,12 +42,16 @@ use tokio_util::sync::CancellationToken;
 use super::claim::ClaimedRow;
 use super::hand::Key;
 
-/// Where the broker is. Debug and Display never show the password.
+/// Where the broker is: one URL, or several (a cluster) tried in order. Debug and Display
+/// never show the password.
 #[derive(Clone)]
 pub struct AmqpTarget {
-    uri: AMQPUri,
+    uris: Vec<AMQPUri>,
     /// Extra trusted CA certificates (PEM) for amqps://, besides the system's.
     ca_pem: Option<String>,
+    /// The URL to try first next time: the one that last worked. Shared by clones, so a
+    /// reconnect starts where the last success was.
+    next: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl fmt::Debug for AmqpTarget {
@@ -58,23 +62,49 @@ impl fmt::Debug for AmqpTarget {
 
 impl fmt::Display for AmqpTarget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let scheme = match self.uri.scheme {
-            lapin::uri::AMQPScheme::AMQP => "amqp",
-            lapin::uri::AMQPScheme::AMQPS => "amqps",
-        };
-        let a = &self.uri.authority;
-        write!(
-            f,
-            "{scheme}://{}@{}:{}/{}",
-            a.userinfo.username, a.host, a.port, self.uri.vhost
-        )
+        for (i, uri) in self.uris.iter().enumerate() {
+            let scheme = match uri.scheme {
+                lapin::uri::AMQPScheme::AMQP => "amqp",
+                lapin::uri::AMQPScheme::AMQPS => "amqps",
+            };
+            let a = &uri.authority;
+            let sep = if i == 0 { "" } else { "," };
+            write!(
+                f,
+                "{sep}{scheme}://{}@{}:{}/{}",
+                a.userinfo.username, a.host, a.port, uri.vhost
+            )?;
+        }
+        Ok(())
     }
 }
 
 impl AmqpTarget {
+    /// One URL, or several separated by commas: the nodes of a cluster, tried in that
+    /// order (after a failure the next one; after a success that one first).
     pub fn parse(raw: &str) -> Result<AmqpTarget, String> {
+        let mut uris = Vec::new();
+        for one in raw.split(',').map(str::trim) {
+            uris.push(Self::parse_one(one)?);
+        }
+        if uris.windows(2).any(|w| w[0].scheme != w[1].scheme) {
+            return Err(
+                "all URLs of the list must use the same scheme (amqp:// or amqps://)".into(),
+            );
+        }
+        Ok(AmqpTarget {
+            uris,
+            ca_pem: None,
+            next: Arc::default(),
+        })
+    }
+
+    fn parse_one(raw: &str) -> Result<AMQPUri, String> {
         if !(raw.starts_with("amqp://") || raw.starts_with("amqps://")) {
-            return Err("must start with amqp:// or amqps://".into());
+            return Err(
+                "must start with amqp:// or amqps:// (several URLs: separate them with commas)"
+                    .into(),
+            );
         }
         let mut uri = AMQPUri::from_str(raw).map_err(|e| format!("not a valid AMQP URL ({e})"))?;
         if uri.authority.host.is_empty() {
@@ -83,12 +113,12 @@ impl AmqpTarget {
         // A dead peer must be noticed: heartbeats every 10 s unless the URL says otherwise.
         uri.query.heartbeat.get_or_insert(10);
         uri.query.connection_timeout.get_or_insert(10_000);
-        Ok(AmqpTarget { uri, ca_pem: None })
+        Ok(uri)
     }
 
     /// Trusts the CA certificates in the PEM file `path` for amqps:// connections.
     pub fn with_ca_file(mut self, path: &std::path::Path) -> Result<AmqpTarget, String> {
-        if self.uri.scheme != lapin::uri::AMQPScheme::AMQPS {
+        if self.uris[0].scheme != lapin::uri::AMQPScheme::AMQPS {
             return Err("a CA file needs an amqps:// URL".into());
         }
         let pem = std::fs::read_to_string(path)
@@ -103,16 +133,43 @@ impl AmqpTarget {
     /// The same broker on another port (tests point the relay at a proxy).
     pub fn with_port(&self, port: u16) -> AmqpTarget {
         let mut t = self.clone();
-        t.uri.authority.port = port;
+        t.next = Arc::default();
+        for uri in &mut t.uris {
+            uri.authority.port = port;
+        }
         t
     }
 
     pub fn port(&self) -> u16 {
-        self.uri.authority.port
+        self.uris[0].authority.port
     }
 
-    /// Opens a plain connection (for tests and the consumer side).
+    /// Connects to the first URL that answers, starting with the one that last worked.
     pub async fn connect(&self, name: &str) -> Result<Connection, PublishError> {
+        use std::sync::atomic::Ordering;
+        let start = self.next.load(Ordering::Relaxed);
+        let mut last = None;
+        for i in 0..self.uris.len() {
+            let at = (start + i) % self.uris.len();
+            match self.connect_to(&self.uris[at], name).await {
+                Ok(conn) => {
+                    self.next.store(at, Ordering::Relaxed);
+                    return Ok(conn);
+                }
+                Err(e) => {
+                    if self.uris.len() > 1 {
+                        tracing::debug!(target: "outbox_relay", node = at, error = %e, "broker node unreachable; trying the next");
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        self.next
+            .store((start + 1) % self.uris.len(), Ordering::Relaxed);
+        Err(last.expect("at least one URL"))
+    }
+
+    async fn connect_to(&self, uri: &AMQPUri, name: &str) -> Result<Connection, PublishError> {
         let props = ConnectionProperties::default().with_connection_name(name.into());
         // Extra trusted roots for amqps:// (the system's are always trusted too).
         let tls = lapin::tcp::OwnedTLSConfig {
@@ -120,7 +177,7 @@ impl AmqpTarget {
             cert_chain: self.ca_pem.clone(),
         };
         let connect = Connection::connect_uri_with_config(
-            self.uri.clone(),
+            uri.clone(),
             props,
             tls,
             lapin::runtime::default_runtime()?,
@@ -915,6 +972,22 @@ mod tests {
         assert!(h.contains_key("traceparent"));
         assert!(h.contains_key("x-outbox-created-at"));
         assert_eq!(&*p.body, "{}");
+    }
+
+    #[test]
+    fn a_url_list_is_a_failover_order() {
+        let t =
+            AmqpTarget::parse("amqp://u:secret@a:5672/%2f, amqp://u:secret@b:5673/%2f").unwrap();
+        assert_eq!(t.uris.len(), 2);
+        assert_eq!(t.to_string(), "amqp://u@a:5672//,amqp://u@b:5673//");
+        assert!(
+            AmqpTarget::parse("amqp://a/%2f,amqps://b/%2f").is_err(),
+            "one scheme"
+        );
+        assert!(
+            AmqpTarget::parse("amqp://a/%2f,").is_err(),
+            "no empty entries"
+        );
     }
 
     #[test]

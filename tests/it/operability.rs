@@ -539,3 +539,34 @@ async fn the_producer_takes_the_current_span_trace_context() {
         "{tp} carries trace {trace_id}"
     );
 }
+
+/// Several broker URLs: when the node in use goes away, the relay goes on through the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_fails_over_to_the_next_broker_url() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let first = TcpProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let second = TcpProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let urls = format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f,amqp://guest:guest@127.0.0.1:{}/%2f",
+        first.port(),
+        second.port()
+    );
+    let amqp = AmqpTarget::parse(&urls).unwrap();
+    assert_eq!(amqp.to_string().matches("guest@").count(), 2, "{amqp}");
+    let served = Served::start(&db, amqp, test_config(&broker), None).await;
+    let client = db.client().await;
+    let mut committed = db.insert(&client, 20, 2).await;
+    broker.wait_count(20, Duration::from_secs(30)).await;
+    first.set(Mode::Cut);
+    committed.extend(db.insert(&client, 20, 2).await);
+    broker.wait_count(40, Duration::from_secs(30)).await;
+    assert!(
+        served
+            .metric("outbox_reconnects_total{target=\"rabbitmq\"}")
+            .await
+            >= 1.0
+    );
+    served.stop().await;
+    check(&committed, &broker.received()).assert_clean();
+}
