@@ -17,4 +17,5 @@ pub mod producer;
 pub mod relay;
 pub mod schema;
 pub mod telemetry;
+pub mod testkit;
 pub mod tls;

@@ -225,28 +225,37 @@ async fn notify_wakes_the_relay_long_before_the_poll() {
     let relay = InProcessRelay::start(&db, config);
     let client = db.client().await;
     wait_idle_listening(&db, &client).await;
-    for round in 0..3 {
+    // The median of five rounds is the NOTIFY path's latency; every round must be far below
+    // the 10 s poll (a loaded 2-core CI machine can stretch one round).
+    let mut latencies = Vec::new();
+    for round in 0..5 {
         let sent = std::time::Instant::now();
         db.insert(&client, 1, 1).await;
         broker.wait_count(round + 1, Duration::from_secs(5)).await;
-        let latency = broker.received()[round].at - sent;
-        assert!(
-            latency < Duration::from_millis(200),
-            "round {round}: {latency:?}"
-        );
+        latencies.push(broker.received()[round].at - sent);
     }
+    latencies.sort();
+    assert!(
+        latencies[2] < Duration::from_millis(200),
+        "median of {latencies:?}"
+    );
+    assert!(
+        latencies[4] < Duration::from_millis(1500),
+        "worst of {latencies:?}"
+    );
     // Killing the LISTEN connection loses nothing: the relay reconnects and catches up.
     let killed = db.terminate_relay_connections("outbox-relay-listen").await;
     assert_eq!(killed, 1);
     let more = db.insert(&client, 20, 3).await;
-    broker.wait_count(23, Duration::from_secs(15)).await;
+    broker.wait_count(25, Duration::from_secs(15)).await;
     wait_idle_listening(&db, &client).await;
     let sent = std::time::Instant::now();
     db.insert(&client, 1, 1).await;
-    broker.wait_count(24, Duration::from_secs(5)).await;
+    broker.wait_count(26, Duration::from_secs(5)).await;
+    let latency = broker.received()[25].at.duration_since(sent);
     assert!(
-        broker.received()[23].at - sent < Duration::from_millis(200),
-        "LISTEN is back"
+        latency < Duration::from_millis(1500),
+        "LISTEN is back (not the 10 s poll): {latency:?}"
     );
     relay.stop().await;
     let received = broker.received();

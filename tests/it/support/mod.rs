@@ -8,10 +8,20 @@
 
 #![allow(dead_code)]
 
-pub mod checker;
+/// The checker (in the library, shared with `outbox-soak`), taking test deliveries.
+pub mod checker {
+    pub use outbox_relay::testkit::checker::Report;
+
+    pub fn check(committed: &[uuid::Uuid], received: &[super::Received]) -> Report {
+        let deliveries: Vec<_> = received.iter().map(super::Received::delivery).collect();
+        outbox_relay::testkit::checker::check(committed, &deliveries)
+    }
+}
+
+pub use outbox_relay::testkit::proxy;
+
 pub mod kit;
 pub mod process;
-pub mod proxy;
 pub mod tls;
 
 use std::collections::HashMap;
@@ -280,6 +290,14 @@ pub struct Received {
 }
 
 impl Received {
+    pub fn delivery(&self) -> outbox_relay::testkit::checker::Delivery {
+        outbox_relay::testkit::checker::Delivery {
+            event_id: self.message_id.clone(),
+            key: self.key(),
+            seq: self.seq(),
+        }
+    }
+
     pub fn header_str(&self, name: &str) -> Option<String> {
         match self.headers.get(name)? {
             AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),

@@ -1,4 +1,4 @@
-//! The checker every test reuses: given the events that committed and what a consumer
+//! The checker every test (and the soak) reuses: given the events that committed and what a consumer
 //! received (in arrival order), report lost, unexpected, duplicate and out-of-order
 //! deliveries.
 //!
@@ -8,8 +8,6 @@
 //! already delivered are duplicates, not order violations.
 
 use std::collections::{HashMap, HashSet};
-
-use super::Received;
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Report {
@@ -32,8 +30,19 @@ impl Report {
     }
 }
 
+/// One message as a consumer received it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    /// The AMQP message_id (the event id).
+    pub event_id: String,
+    /// `x-outbox-aggregate-type` and `x-outbox-aggregate-id`.
+    pub key: (String, String),
+    /// `x-outbox-seq`.
+    pub seq: Option<i64>,
+}
+
 /// `committed`: the event ids that committed. `received`: deliveries in arrival order.
-pub fn check(committed: &[uuid::Uuid], received: &[Received]) -> Report {
+pub fn check(committed: &[uuid::Uuid], received: &[Delivery]) -> Report {
     let committed_set: HashSet<String> = committed.iter().map(|u| u.to_string()).collect();
     let mut report = Report {
         committed: committed_set.len(),
@@ -44,7 +53,7 @@ pub fn check(committed: &[uuid::Uuid], received: &[Received]) -> Report {
     let mut max_seq: HashMap<(String, String), i64> = HashMap::new();
     let mut seq_owner: HashMap<((String, String), i64), &str> = HashMap::new();
     for r in received {
-        let id = r.message_id.as_str();
+        let id = r.event_id.as_str();
         if !committed_set.contains(id) {
             report.unexpected += 1;
             if report.examples.len() < 10 {
@@ -55,7 +64,7 @@ pub fn check(committed: &[uuid::Uuid], received: &[Received]) -> Report {
         if !first {
             report.duplicates += 1;
         }
-        let (Some(seq), key) = (r.seq(), r.key()) else {
+        let (Some(seq), key) = (r.seq, r.key.clone()) else {
             continue;
         };
         if let Some(owner) = seq_owner.get(&(key.clone(), seq)) {
