@@ -8,6 +8,7 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod checker;
 pub mod kit;
 pub mod process;
