@@ -133,14 +133,23 @@ async fn a_parked_row_is_redriven_from_the_page() {
         Duration::from_secs(15),
     )
     .await;
-    assert_eq!(page.text("ready").await, "ready");
-    assert_eq!(page.text("parked-count").await, "1");
-    assert_eq!(page.text("pending").await, "0");
+    // The routable rows were delivered; their marks may land a moment later.
+    page.wait_until(
+        "ready, nothing pending, one parked",
+        "document.getElementById('ready').textContent === 'ready'
+         && document.getElementById('pending').textContent === '0'
+         && document.getElementById('parked-count').textContent === '1'",
+        Duration::from_secs(10),
+    )
+    .await;
     assert_eq!(
-        page.eval("document.getElementById('read-only').hidden")
-            .await,
-        json!(true),
-        "a token is configured: not read-only"
+        page.eval(
+            "[document.getElementById('read-only').checkVisibility(),
+              document.getElementById('token-form').checkVisibility()]"
+        )
+        .await,
+        json!([false, true]),
+        "a token is configured: not read-only, a token field"
     );
     // The charts have drawn the sampler's history.
     page.wait_until(
@@ -278,12 +287,12 @@ async fn without_a_token_the_page_is_read_only_and_errors_show() {
     .await;
     assert_eq!(
         page.eval(
-            "[!document.getElementById('read-only').hidden,
-              document.getElementById('token-form').hidden,
-              [...document.querySelectorAll('button[data-redrive]')].map(b => b.hidden && b.disabled)]"
+            "[document.getElementById('read-only').checkVisibility(),
+              document.getElementById('token-form').checkVisibility(),
+              [...document.querySelectorAll('button[data-redrive]')].map(b => b.checkVisibility() || !b.disabled)]"
         )
         .await,
-        json!([true, true, [true]]),
+        json!([true, false, [false]]),
         "read-only notice shown, token field and buttons hidden and disabled"
     );
     assert_eq!(
@@ -291,6 +300,9 @@ async fn without_a_token_the_page_is_read_only_and_errors_show() {
             .await,
         json!("false")
     );
+    let shot = artifact("dashboard-read-only.png");
+    page.screenshot(&shot).await;
+    println!("dashboard screenshot (read-only): {}", shot.display());
     let status = page
         .eval(
             "fetch('/api/redrive', { method: 'POST', headers: { 'Content-Type': 'application/json',

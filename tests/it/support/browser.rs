@@ -42,11 +42,12 @@ pub fn chromium_path() -> PathBuf {
 type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 pub struct Browser {
-    // Declared before `child`: the socket closes before the process is killed.
+    /// An async lock: a call holds the socket from its request until its answer.
     socket: tokio::sync::Mutex<Socket>,
     next_id: AtomicU64,
-    /// What pages reported as broken, and Chromium's last stderr lines.
-    problems: Arc<Mutex<Vec<String>>>,
+    /// What pages reported as broken (uncaught exceptions, console.error).
+    problems: Mutex<Vec<String>>,
+    /// Chromium's last stderr lines, filled by a task that drains the pipe.
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     child: Child,
     profile: PathBuf,
@@ -132,7 +133,7 @@ impl Browser {
         Browser {
             socket: tokio::sync::Mutex::new(socket),
             next_id: AtomicU64::new(1),
-            problems: Arc::new(Mutex::new(Vec::new())),
+            problems: Mutex::new(Vec::new()),
             stderr_tail,
             child,
             profile,
@@ -261,9 +262,7 @@ impl Browser {
         .await;
         page
     }
-}
 
-impl Browser {
     /// Closes the browser and waits for it to exit, then removes its profile. (Dropping
     /// kills it instead; a test that panics leaves its profile for the next sweep.)
     pub async fn close(mut self) {
@@ -299,7 +298,8 @@ fn sweep_stale_profiles(tmp: &std::path::Path) {
 
 impl Drop for Browser {
     fn drop(&mut self) {
-        // kill_on_drop sends SIGKILL too; doing it here first keeps the order plain.
+        // Kill first (kill_on_drop would only act after this), then remove the profile it
+        // wrote to; helper processes still exiting may leave a file for the next sweep.
         let _ = self.child.start_kill();
         let _ = std::fs::remove_dir_all(&self.profile);
     }
