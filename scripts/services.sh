@@ -80,7 +80,7 @@ ensure_rabbitmq() {
 # the test itself only looks for /usr/bin/chromium (or IT_CHROMIUM) and names the package
 # when it is missing.
 ensure_chromium() {
-  if [ -n "${IT_CHROMIUM:-}" ] || command -v chromium >/dev/null 2>&1; then return 0; fi
+  if [ -n "${IT_CHROMIUM:-}" ] || [ -x /usr/bin/chromium ]; then return 0; fi
   apt_install chromium || {
     log "Chromium is not installed and cannot be installed here; the dashboard test needs it."
     log "install it (Debian/Ubuntu: apt-get install chromium) or name a binary with IT_CHROMIUM"

@@ -135,9 +135,10 @@ async fn a_parked_row_is_redriven_from_the_page() {
     .await;
     // The routable rows were delivered; their marks may land a moment later.
     page.wait_until(
-        "ready, nothing pending, one parked",
+        "ready, nothing pending, 20 dispatched, one parked",
         "document.getElementById('ready').textContent === 'ready'
          && document.getElementById('pending').textContent === '0'
+         && document.getElementById('dispatched-minute').textContent === '20'
          && document.getElementById('parked-count').textContent === '1'",
         Duration::from_secs(10),
     )
