@@ -76,6 +76,18 @@ ensure_rabbitmq() {
   fi
 }
 
+# The dashboard test drives headless Chromium (tests/it/dashboard.rs). Debian's package;
+# the test itself only looks for /usr/bin/chromium (or IT_CHROMIUM) and names the package
+# when it is missing.
+ensure_chromium() {
+  if [ -n "${IT_CHROMIUM:-}" ] || [ -x /usr/bin/chromium ]; then return 0; fi
+  apt_install chromium || {
+    log "Chromium is not installed and cannot be installed here; the dashboard test needs it."
+    log "install it (Debian/Ubuntu: apt-get install chromium) or name a binary with IT_CHROMIUM"
+    exit 1
+  }
+}
+
 ensure_services() {
   ensure_postgres
   ensure_rabbitmq

@@ -20,6 +20,7 @@ pub mod checker {
 
 pub use outbox_relay::testkit::proxy;
 
+pub mod browser;
 pub mod kit;
 pub mod process;
 pub mod tls;
