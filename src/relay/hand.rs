@@ -203,12 +203,10 @@ impl Hand {
     /// The broker confirmed the key's head without a return: it waits for its mark, and
     /// the key's next row may go.
     pub fn acked(&mut self, key: &Key, id: i64) -> Released {
-        let Some(queue) = head_mut(&mut self.keys, key, id) else {
+        let Some(queue) = head_in(&mut self.keys, key, id, Head::InFlight) else {
             return Released { wants_claim: false };
         };
-        if queue.head == Head::InFlight {
-            self.in_flight -= 1;
-        }
+        self.in_flight -= 1;
         queue.rows.pop_front();
         self.awaiting_mark += 1;
         self.advance(key)
@@ -233,10 +231,8 @@ impl Hand {
 
     /// The key's head failed to publish; the engine records the failure.
     pub fn failed(&mut self, key: &Key, id: i64) {
-        if let Some(queue) = head_mut(&mut self.keys, key, id) {
-            if queue.head == Head::InFlight {
-                self.in_flight -= 1;
-            }
+        if let Some(queue) = head_in(&mut self.keys, key, id, Head::InFlight) {
+            self.in_flight -= 1;
             queue.head = Head::Recording;
         }
     }
@@ -248,7 +244,7 @@ impl Hand {
 
     /// The failure is recorded and the row will be retried when its timer fires.
     pub fn wait_retry(&mut self, key: &Key, id: i64) {
-        if let Some(queue) = head_mut(&mut self.keys, key, id) {
+        if let Some(queue) = head_in(&mut self.keys, key, id, Head::Recording) {
             queue.head = Head::Waiting;
         }
     }
@@ -266,12 +262,9 @@ impl Hand {
     /// The key's head was parked (committed). With `keep_going` the key's next row may go;
     /// otherwise the key's rows leave the hand (they wait, pending, for an operator).
     pub fn parked(&mut self, key: &Key, id: i64, keep_going: bool) -> Released {
-        let Some(queue) = head_mut(&mut self.keys, key, id) else {
+        let Some(queue) = head_in(&mut self.keys, key, id, Head::Recording) else {
             return Released { wants_claim: false };
         };
-        if queue.head == Head::InFlight {
-            self.in_flight -= 1;
-        }
         let row = queue.rows.pop_front().expect("head exists");
         queue.head = Head::Ready; // whatever is behind it has not been published
         self.forget(row.id, row.body_bytes, Left::Final);
@@ -383,13 +376,17 @@ impl Hand {
     }
 }
 
-fn head_mut<'a>(
+/// The key's queue if its head is row `id` in state `state`. Outcomes and database results
+/// can arrive after the key was dropped and claimed again; they must not move a head that
+/// is in another state (a retry timer for a row now in flight, say).
+fn head_in<'a>(
     keys: &'a mut HashMap<Key, KeyQueue>,
     key: &Key,
     id: i64,
+    state: Head,
 ) -> Option<&'a mut KeyQueue> {
     keys.get_mut(key)
-        .filter(|q| q.rows.front().is_some_and(|r| r.id == id))
+        .filter(|q| q.head == state && q.rows.front().is_some_and(|r| r.id == id))
 }
 
 #[cfg(test)]
@@ -478,6 +475,27 @@ mod tests {
             2
         );
         assert_eq!(hand.next_ready(|_| true).unwrap().id, 5);
+    }
+
+    /// A failure recorded for an attempt of a key that was dropped and claimed again must
+    /// not touch the head now in flight.
+    #[test]
+    fn late_results_do_not_move_a_head_in_another_state() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        hand.claim_returned(vec![row(5, "a", 5)], &none());
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 5);
+        hand.failed(&key("a"), 5);
+        hand.wait_retry(&key("a"), 5);
+        hand.retry_due(&key("a"));
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 5); // in flight again
+        hand.wait_retry(&key("a"), 5); // a stale result: ignored
+        hand.parked(&key("a"), 5, true); // likewise
+        assert_eq!(hand.in_flight(), 1);
+        assert!(hand.is_held(5));
+        hand.acked(&key("a"), 5);
+        assert_eq!(hand.in_flight(), 0);
+        assert_eq!(hand.awaiting_mark(), 1);
     }
 
     #[test]
