@@ -329,34 +329,25 @@ BEGIN
          WHERE EXISTS (SELECT 1 FROM outbox_events o
                         WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
                           AND o.seq > s.seq AND NOT (o.id = ANY (p_ids)))
-    )
-    SELECT s.id, s.event_id, s.aggregate_type, s.aggregate_id, s.seq,
-           EXISTS (SELECT 1 FROM renumber r
-                    WHERE r.aggregate_type = s.aggregate_type AND r.aggregate_id = s.aggregate_id)
-      FROM sel s
-     ORDER BY s.id;
-
-    IF NOT p_dry_run THEN
-        WITH sel AS (
-            SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
-              FROM outbox_events e
-             WHERE e.id = ANY (p_ids) AND e.parked_at IS NOT NULL
-        ), renumber AS (
-            SELECT DISTINCT s.aggregate_type, s.aggregate_id
-              FROM sel s
-             WHERE EXISTS (SELECT 1 FROM outbox_events o
-                            WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
-                              AND o.seq > s.seq AND NOT (o.id = ANY (p_ids)))
-        )
+    ), plan AS (
+        SELECT s.*, EXISTS (SELECT 1 FROM renumber r
+                             WHERE r.aggregate_type = s.aggregate_type
+                               AND r.aggregate_id = s.aggregate_id) AS renumbered
+          FROM sel s
+    ), redriven AS (
         UPDATE outbox_events e
            SET parked_at = NULL,
                attempts = 0,
-               seq = CASE WHEN EXISTS (SELECT 1 FROM renumber r
-                                        WHERE r.aggregate_type = e.aggregate_type
-                                          AND r.aggregate_id = e.aggregate_id)
-                          THEN NULL ELSE e.seq END
-          FROM sel
-         WHERE e.id = sel.id;
+               seq = CASE WHEN plan.renumbered THEN NULL ELSE e.seq END
+          FROM plan
+         WHERE e.id = plan.id AND NOT p_dry_run
+        RETURNING e.id
+    )
+    SELECT plan.id, plan.event_id, plan.aggregate_type, plan.aggregate_id, plan.seq, plan.renumbered
+      FROM plan
+     ORDER BY plan.id;
+
+    IF NOT p_dry_run THEN
         PERFORM pg_notify('outbox_events:' || current_schema(), '');
     END IF;
 END

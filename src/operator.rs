@@ -26,6 +26,19 @@ pub struct ParkedFilter {
 }
 
 impl ParkedFilter {
+    /// The parameters of `SELECT_PARKED`, in order.
+    fn params<'a>(&'a self, limit: &'a i64) -> [&'a (dyn tokio_postgres::types::ToSql + Sync); 7] {
+        [
+            &self.ids,
+            &self.event_ids,
+            &self.event_type,
+            &self.aggregate_type,
+            &self.aggregate_id,
+            &self.since,
+            limit,
+        ]
+    }
+
     /// True when nothing narrows the selection.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
@@ -167,19 +180,7 @@ pub async fn parked(
     filter: &ParkedFilter,
     limit: i64,
 ) -> Result<Vec<ParkedRow>, DbError> {
-    let rows = deadline(client.query(
-        SELECT_PARKED,
-        &[
-            &filter.ids,
-            &filter.event_ids,
-            &filter.event_type,
-            &filter.aggregate_type,
-            &filter.aggregate_id,
-            &filter.since,
-            &limit,
-        ],
-    ))
-    .await?;
+    let rows = deadline(client.query(SELECT_PARKED, &filter.params(&limit))).await?;
     Ok(rows
         .iter()
         .map(|r| ParkedRow {
@@ -270,15 +271,7 @@ pub async fn redrive(
     let tx = deadline(client.transaction()).await?;
     let ids: Vec<i64> = deadline(tx.query(
         &format!("{SELECT_PARKED} FOR UPDATE"),
-        &[
-            &filter.ids,
-            &filter.event_ids,
-            &filter.event_type,
-            &filter.aggregate_type,
-            &filter.aggregate_id,
-            &filter.since,
-            &i64::MAX,
-        ],
+        &filter.params(&i64::MAX),
     ))
     .await?
     .iter()

@@ -5,35 +5,11 @@ use std::time::Duration;
 use crate::support::checker::check;
 use crate::support::process::{RelayProcess, run_to_end};
 use crate::support::{
-    Broker, InProcessRelay, TestDb, amqp_url, close_connections, test_config, unique, wait_for,
+    Broker, InProcessRelay, TestDb, close_connections, test_config, unique, wait_for,
 };
 
 fn relay_args(db: &TestDb, broker: &Broker, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--database-url",
-        &db.url(),
-        "--amqp-url",
-        &amqp_url(),
-        "--exchange",
-        &broker.exchange,
-        "--poll-interval",
-        "200ms",
-        "--lease",
-        "3s",
-        "--retry-min",
-        "50ms",
-        "--retry-max",
-        "500ms",
-        "--confirm-timeout",
-        "5s",
-        "--http-listen",
-        "127.0.0.1:0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
+    crate::support::process::test_relay_args(&db.url(), &broker.exchange, extra)
 }
 
 /// Inserts `total` events in transactions of `per_tx`, pausing `pause` between them, while

@@ -8,7 +8,7 @@ use outbox_relay::relay::OnPark;
 
 use crate::support::checker::check;
 use crate::support::process::{RelayProcess, run_to_end};
-use crate::support::{Broker, InProcessRelay, TestDb, amqp_url, test_config, unique, wait_for};
+use crate::support::{Broker, InProcessRelay, TestDb, test_config, unique, wait_for};
 
 /// `n` events over `keys` keys from `producers` connections, in small transactions with a
 /// pause between them. Returns the committed event ids.
@@ -132,29 +132,8 @@ async fn relays_killed_stopped_and_cut_keep_order_and_lose_nothing() {
     let db = TestDb::new().await;
     let broker = Broker::new("#").await;
     let args = |app: &str| -> Vec<String> {
-        [
-            "--database-url",
-            &format!("{}?application_name={app}", db.url()),
-            "--amqp-url",
-            &amqp_url(),
-            "--exchange",
-            &broker.exchange,
-            "--poll-interval",
-            "200ms",
-            "--lease",
-            "3s",
-            "--retry-min",
-            "50ms",
-            "--retry-max",
-            "500ms",
-            "--confirm-timeout",
-            "5s",
-            "--http-listen",
-            "127.0.0.1:0",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+        let url = format!("{}?application_name={app}", db.url());
+        crate::support::process::test_relay_args(&url, &broker.exchange, &[])
     };
     let name = unique("trio");
     let mut a = RelayProcess::start(&format!("{name}-a"), &args("relay_a"));

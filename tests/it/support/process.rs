@@ -92,3 +92,33 @@ pub async fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> (i32, String, St
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// `outbox-relay run` arguments for tests: fast polls, short leases and retries, the HTTP
+/// endpoint on a free port; `extra` last (later flags win).
+pub fn test_relay_args(database_url: &str, exchange: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--database-url",
+        database_url,
+        "--amqp-url",
+        &super::amqp_url(),
+        "--exchange",
+        exchange,
+        "--poll-interval",
+        "200ms",
+        "--lease",
+        "3s",
+        "--retry-min",
+        "50ms",
+        "--retry-max",
+        "500ms",
+        "--confirm-timeout",
+        "5s",
+        "--http-listen",
+        "127.0.0.1:0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
