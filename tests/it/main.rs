@@ -9,4 +9,5 @@ mod migrate;
 mod notifications;
 mod relay_core;
 mod relay_faults;
+mod roles;
 mod scale_out;
