@@ -4,6 +4,7 @@
 mod support;
 
 mod consumer;
+mod demo;
 mod docs;
 mod migrate;
 mod notifications;
