@@ -5,6 +5,7 @@ mod support;
 
 mod consumer;
 mod demo;
+mod deploy;
 mod docs;
 mod migrate;
 mod notifications;
