@@ -105,6 +105,9 @@ pub enum DemoError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    /// Stopped (SIGINT/SIGTERM) before the first event was produced.
+    #[error("interrupted before the first event was produced")]
+    Interrupted,
     /// A task ended without saying why (a panic).
     #[error("{0} ended unexpectedly")]
     Task(&'static str),
@@ -344,6 +347,15 @@ pub async fn run(
     shutdown: CancellationToken,
     mut on_progress: impl FnMut(&Progress),
 ) -> Result<Summary, DemoError> {
+    // Bound first, so a port in use stops the demo before it touches the database.
+    let listener = match cfg.http_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| DemoError::Listen { addr, source })?,
+        ),
+        None => None,
+    };
     let target = recreate_database(&cfg).await?;
     {
         let mut client = target.connect(&cfg.schema, "outbox-relay-demo").await?;
@@ -352,12 +364,8 @@ pub async fn run(
 
     let telemetry = Telemetry::default();
     let relay_pool = target.pool(&cfg.schema, "outbox-relay", 8);
-    // Bound before anything runs, so a taken port stops the demo before it starts.
     let stop_http = CancellationToken::new();
-    if let Some(addr) = cfg.http_listen {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| DemoError::Listen { addr, source })?;
+    if let Some(listener) = listener {
         let state = crate::http::HttpState::new(telemetry.clone(), relay_pool.clone(), None);
         tokio::spawn(crate::http::serve(listener, state, stop_http.clone()));
     }
@@ -423,7 +431,7 @@ pub async fn run(
             tokio::select! {
                 r = &mut relay_task => return Err(ended("the relay", r)),
                 r = &mut consumer_task => return Err(ended("the consumer", r)),
-                _ = shutdown.cancelled() => return Err(DemoError::WarmUp(warm_start.elapsed())),
+                _ = shutdown.cancelled() => return Err(DemoError::Interrupted),
                 _ = tokio::time::sleep(Duration::from_millis(20)) => {}
             }
         }

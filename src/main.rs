@@ -309,6 +309,10 @@ async fn run_demo(cfg: demo::DemoConfig) -> anyhow::Result<()> {
             Err(BadFlag(format!("--database-name: {e}")).into())
         }
         Err(e @ DemoError::Listen { .. }) => Err(BadFlag(e.to_string()).into()),
+        Err(e @ DemoError::Interrupted) => {
+            eprintln!("outbox-relay demo: {e}");
+            Ok(())
+        }
         Err(e) => Err(anyhow::Error::new(e).context("demo failed")),
     }
 }
