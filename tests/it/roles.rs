@@ -457,3 +457,88 @@ async fn roles_sql_refuses_an_unmigrated_database() {
         "{stderr}"
     );
 }
+
+/// `GET path` on 127.0.0.1:port; returns (status, body).
+async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut text = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut text))
+        .await
+        .ok()?
+        .ok()?;
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+    Some((status, body))
+}
+
+/// The documented command, `outbox-relay run --no-migrate` as the relay role, with the HTTP
+/// endpoint: ready, its metrics sampled from the database, events published, a clean exit.
+#[tokio::test]
+async fn relay_process_runs_under_the_relay_role() {
+    let db = TestDb::new().await;
+    let roles = Roles::for_test("process");
+    apply_roles(&db, &roles).await;
+    let broker = Broker::new("#").await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut relay = crate::support::process::RelayProcess::start(
+        &crate::support::unique("roles-process"),
+        &[
+            "--no-migrate".into(),
+            "--database-url".into(),
+            url_as(&db, &roles.relay),
+            "--amqp-url".into(),
+            amqp_url(),
+            "--exchange".into(),
+            broker.exchange.clone(),
+            "--http-listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--poll-interval".into(),
+            "200ms".into(),
+        ],
+    );
+    let producer = connect_as(&db, &roles.producer).await;
+    producer
+        .batch_execute(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'p' || g, 'created', '{}' FROM generate_series(1, 7) AS g",
+        )
+        .await
+        .unwrap();
+    broker.wait_count(7, Duration::from_secs(30)).await;
+    wait_for("ready", Duration::from_secs(30), || async {
+        matches!(http_get(port, "/readyz").await, Some((200, _))).then_some(())
+    })
+    .await;
+    // The endpoint samples the outbox as the relay role: all 7 dispatched, none pending.
+    wait_for("metrics sampled", Duration::from_secs(30), || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        let dispatched = body
+            .lines()
+            .any(|l| l.starts_with("outbox_rows_dispatched_total 7"));
+        let pending = body.lines().any(|l| l == "outbox_pending_rows 0");
+        (dispatched && pending).then_some(())
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(
+        relay.wait(Duration::from_secs(30)).await,
+        Some(0),
+        "{}",
+        relay.log_text()
+    );
+    assert!(
+        !relay.log_text().contains("permission denied"),
+        "{}",
+        relay.log_text()
+    );
+}
