@@ -92,3 +92,20 @@ ensure_services() {
   ensure_postgres
   ensure_rabbitmq
 }
+
+# Tools the test suite uses besides the services: psql (tests apply sql/roles.sql with it, as
+# an operator does) and python3 with PyYAML (tests parse deploy/*.yaml with it). Installed
+# when missing and possible; otherwise the tests that need them fail saying what is missing.
+ensure_test_tools() {
+  if ! command -v psql >/dev/null 2>&1; then
+    apt_install postgresql-client || log "psql is missing: install postgresql-client"
+  fi
+  if ! command -v python3 >/dev/null 2>&1; then
+    apt_install python3 python3-yaml || log "python3 is missing: install python3 and PyYAML"
+  elif ! python3 -c 'import yaml' >/dev/null 2>&1; then
+    log "installing PyYAML"
+    python3 -m pip install --quiet pyyaml >/dev/null 2>&1 ||
+      apt_install python3-yaml ||
+      log "PyYAML is missing: pip install pyyaml"
+  fi
+}

@@ -129,6 +129,61 @@ pub enum Command {
     /// Consumer kit: list effects stuck in `sending` for review and delete old ledger and
     /// inbox rows (resolving through lookups needs the library: consumer::reconcile).
     Reconcile(ReconcileArgs),
+    /// A first run on local services: creates a demo database, produces events at a rate,
+    /// runs the relay and a consumer in this process, shows progress and a summary.
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// The Postgres server, through a database that exists (the demo database is created
+    /// there) [default: postgres://postgres@127.0.0.1:5432/postgres]; or DATABASE_URL_FILE.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+
+    /// Schema of the outbox tables in the demo database.
+    #[arg(long, env = "OUTBOX_SCHEMA", default_value = "public")]
+    pub schema: String,
+
+    /// RabbitMQ URL [default: amqp://guest:guest@127.0.0.1:5672/%2f]; or AMQP_URL_FILE.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+
+    /// The demo database: dropped and re-created (only if an earlier demo created it).
+    #[arg(long, env = "OUTBOX_DEMO_DATABASE", default_value = "outbox_demo")]
+    pub database_name: String,
+
+    /// Exchange the demo's relay publishes to.
+    #[arg(long, env = "OUTBOX_DEMO_EXCHANGE", default_value = "outbox.demo")]
+    pub exchange: String,
+
+    /// Queue of the demo's consumer, bound to the exchange with "#".
+    #[arg(long, env = "OUTBOX_DEMO_QUEUE", default_value = "outbox-demo")]
+    pub queue: String,
+
+    /// Events produced per second.
+    #[arg(long, env = "OUTBOX_DEMO_RATE", default_value = "200")]
+    pub rate: String,
+
+    /// How long to produce [default: 10s]; or give --events.
+    #[arg(long, env = "OUTBOX_DEMO_DURATION")]
+    pub duration: Option<String>,
+
+    /// How many events to produce (instead of --duration).
+    #[arg(long, env = "OUTBOX_DEMO_EVENTS")]
+    pub events: Option<String>,
+
+    /// Distinct keys (aggregate ids) the events are spread over.
+    #[arg(long, env = "OUTBOX_DEMO_KEYS", default_value = "100")]
+    pub keys: String,
+
+    /// After producing, how long to wait for the last events to arrive.
+    #[arg(long, env = "OUTBOX_DEMO_DRAIN_TIMEOUT", default_value = "30s")]
+    pub drain_timeout: String,
+
+    /// Serve the relay's dashboard and metrics here while the demo runs (e.g. 127.0.0.1:9464), or "off".
+    #[arg(long, env = "OUTBOX_DEMO_HTTP_LISTEN", default_value = "off")]
+    pub http_listen: String,
 }
 
 #[derive(Debug, Args)]
@@ -449,6 +504,89 @@ pub enum Config {
         reconcile: crate::consumer::reconcile::ReconcileConfig,
         every: Option<Duration>,
     },
+    Demo(crate::demo::DemoConfig),
+}
+
+/// `--http-listen`: an address, or "off".
+fn http_listen(raw: &str) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+    match raw.trim() {
+        "off" => Ok(None),
+        addr => addr.parse::<std::net::SocketAddr>().map(Some).map_err(|_| {
+            ConfigError::new(
+                "--http-listen",
+                format!("'{addr}' is not an address like 127.0.0.1:9464 (or \"off\")"),
+            )
+        }),
+    }
+}
+
+impl DemoArgs {
+    fn parse(&self, files: &SecretFiles) -> Result<crate::demo::DemoConfig, ConfigError> {
+        use crate::demo::{DemoConfig, Stop};
+        let db = DbArgs {
+            database_url: self.database_url.clone(),
+            schema: self.schema.clone(),
+        };
+        let (server, schema) = db.parse(files)?;
+        let amqp_url = secret_value(
+            "--amqp-url",
+            "AMQP_URL",
+            self.amqp_url.as_deref(),
+            files.amqp_url.as_deref(),
+            Some(DEFAULT_AMQP_URL),
+        )?
+        .unwrap_or_default();
+        let amqp = AmqpTarget::parse(&amqp_url).map_err(|e| ConfigError::new("--amqp-url", e))?;
+        let database = Schema::parse(&self.database_name)
+            .map_err(|e| {
+                ConfigError::new("--database-name", e.replace("schema name", "database name"))
+            })?
+            .as_str()
+            .to_owned();
+        if server.dbname() == Some(database.as_str()) {
+            return Err(ConfigError::new(
+                "--database-name",
+                format!(
+                    "'{database}' is the database --database-url connects to; the demo creates its own database from there, so name another"
+                ),
+            ));
+        }
+        let exchange = crate::relay::publish::validate_exchange(&self.exchange)
+            .map_err(|e| ConfigError::new("--exchange", e))?;
+        let queue = crate::relay::publish::validate_exchange(&self.queue)
+            .map_err(|e| ConfigError::new("--queue", e))?;
+        let rate: NonZeroU32 = positive("--rate", &self.rate)?;
+        if rate.get() > 100_000 {
+            return Err(ConfigError::new(
+                "--rate",
+                "must be at most 100000 events/s",
+            ));
+        }
+        let stop = match (&self.duration, &self.events) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "--events",
+                    "give --duration or --events, not both",
+                ));
+            }
+            (None, Some(n)) => Stop::Events(positive("--events", n)?),
+            (Some(d), None) => Stop::After(duration("--duration", d)?),
+            (None, None) => Stop::After(Duration::from_secs(10)),
+        };
+        Ok(DemoConfig {
+            server,
+            database,
+            schema,
+            amqp,
+            exchange,
+            queue,
+            rate,
+            stop,
+            keys: positive("--keys", &self.keys)?,
+            drain_timeout: duration("--drain-timeout", &self.drain_timeout)?,
+            http_listen: http_listen(&self.http_listen)?,
+        })
+    }
 }
 
 /// `--since`: a duration ago or an RFC 3339 time.
@@ -545,6 +683,7 @@ impl Cli {
                     every,
                 })
             }
+            Command::Demo(a) => Ok(Config::Demo(a.parse(files)?)),
             Command::Status(a) => {
                 let (db, schema) = a.db.parse(files)?;
                 Ok(Config::Status {

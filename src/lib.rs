@@ -11,6 +11,7 @@
 pub mod config;
 pub mod consumer;
 pub mod db;
+pub mod demo;
 pub mod http;
 pub mod operator;
 pub mod producer;

@@ -8,8 +8,9 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use clap::error::ErrorKind;
-use outbox_relay::config::{Cli, Config, LogFormat, Schema, SecretFiles};
+use outbox_relay::config::{Cli, Command, Config, LogFormat, Schema, SecretFiles};
 use outbox_relay::db::DbTarget;
+use outbox_relay::demo::{self, DemoError};
 use outbox_relay::http;
 use outbox_relay::operator;
 use outbox_relay::relay::{self, Backoff, Deps};
@@ -23,7 +24,12 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return clap_exit(e),
     };
-    init_logging(cli.log_format);
+    // The demo draws a progress line on stderr: only warnings and errors log there.
+    let default_filter = match cli.command {
+        Command::Demo(_) => "warn,lapin=error",
+        _ => "info,lapin=error",
+    };
+    init_logging(cli.log_format, default_filter);
     // Secrets may come from files (DATABASE_URL_FILE, ...); the names are read here, once.
     let files = SecretFiles {
         database_url: std::env::var_os("DATABASE_URL_FILE").map(Into::into),
@@ -86,11 +92,11 @@ fn clap_exit(e: clap::Error) -> ExitCode {
 #[error("{0}")]
 struct BadFlag(String);
 
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, default_filter: &str) {
     // lapin logs returned messages (payload included) at warn: keep it to errors; the
     // relay reports every such event itself.
     let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=error"));
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -123,6 +129,7 @@ fn shutdown_on_signals() -> CancellationToken {
 
 async fn run(config: Config) -> anyhow::Result<()> {
     match config {
+        Config::Demo(cfg) => run_demo(cfg).await,
         Config::Migrate { db, schema } => {
             let mut client = db
                 .connect(&schema, "outbox-relay-migrate")
@@ -256,6 +263,57 @@ async fn run(config: Config) -> anyhow::Result<()> {
             result?;
             Ok(())
         }
+    }
+}
+
+/// The demo: a progress line on stderr (redrawn in place on a terminal, one line a second
+/// otherwise), the summary on stdout; exit 1 when events were lost.
+async fn run_demo(cfg: demo::DemoConfig) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let shutdown = shutdown_on_signals();
+    let tty = std::io::stderr().is_terminal();
+    let stop = match cfg.stop {
+        demo::Stop::After(d) => format!("for {}", humantime::format_duration(d)),
+        demo::Stop::Events(n) => format!("{n} events"),
+    };
+    eprintln!(
+        "outbox-relay demo: database {} (re-created), exchange {}, queue {}; {} events/s over {} keys, {stop} (Ctrl-C stops early)",
+        cfg.database, cfg.exchange, cfg.queue, cfg.rate, cfg.keys
+    );
+    if let Some(addr) = cfg.http_listen {
+        eprintln!("dashboard and metrics: http://{addr}/");
+    }
+    let result = demo::run(cfg, shutdown, |p| {
+        if tty {
+            eprint!("\r\x1b[2K{p}");
+        } else {
+            eprintln!("{p}");
+        }
+    })
+    .await;
+    if tty {
+        eprintln!();
+    }
+    match result {
+        Ok(summary) => {
+            println!("{summary}");
+            if summary.lost > 0 {
+                anyhow::bail!(
+                    "{} events were produced and not consumed within --drain-timeout",
+                    summary.lost
+                );
+            }
+            Ok(())
+        }
+        Err(e @ DemoError::NotADemoDatabase(_)) => {
+            Err(BadFlag(format!("--database-name: {e}")).into())
+        }
+        Err(e @ DemoError::Listen { .. }) => Err(BadFlag(e.to_string()).into()),
+        Err(e @ DemoError::Interrupted) => {
+            eprintln!("outbox-relay demo: {e}");
+            Ok(())
+        }
+        Err(e) => Err(anyhow::Error::new(e).context("demo failed")),
     }
 }
 

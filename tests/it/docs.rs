@@ -15,6 +15,7 @@ async fn readme_documents_every_flag() {
         &["parked", "list"],
         &["redrive"],
         &["reconcile"],
+        &["demo"],
     ] {
         let mut args = command.to_vec();
         args.push("--help");

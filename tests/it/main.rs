@@ -5,10 +5,13 @@ mod support;
 
 mod consumer;
 mod dashboard;
+mod demo;
+mod deploy;
 mod docs;
 mod migrate;
 mod notifications;
 mod operability;
 mod relay_core;
 mod relay_faults;
+mod roles;
 mod scale_out;

@@ -1,0 +1,196 @@
+-- outbox-relay: least-privilege roles. NOT a migration.
+--
+-- Apply once per database, after the migrations, as the owner of the outbox schema (or a
+-- superuser), and again after every upgrade that adds migrations (it is idempotent: it
+-- creates missing roles, then revokes and re-grants exactly the privileges below):
+--
+--   psql "postgres://owner@db.internal:5432/app" -v ON_ERROR_STOP=1 \
+--        -v schema=public \
+--        -v relay_password="$RELAY_PW" -v producer_password="$APP_PW" \
+--        -f sql/roles.sql
+--
+-- psql variables (all optional):
+--   schema            schema of outbox_events (the relay's --schema); default public
+--   relay_role        default outbox_relay     (runs `outbox-relay run --no-migrate`)
+--   producer_role     default outbox_producer  (services that write events)
+--   consumer_role     default outbox_consumer  (consumer-kit tables and functions)
+--   relay_password, producer_password, consumer_password
+--                     set the role's password; left unset, an existing password is kept
+--                     and a new role gets none (certificate or peer auth, or GRANT the role
+--                     to your own login roles: GRANT outbox_producer TO orders_service)
+--
+-- Roles are cluster-wide; the grants are per database. A password given here travels in
+-- the ALTER ROLE statement: on a server that logs DDL (log_statement = ddl/all), set it
+-- with psql's \password instead.
+--
+-- Every function of the relay and the consumer kit is SECURITY INVOKER: it runs with the
+-- caller's privileges, so each role gets exactly what its functions touch, and PUBLIC's
+-- default EXECUTE on those functions is revoked. Three pure helpers stay executable by
+-- everyone (outbox_headers_allowed, used by a CHECK constraint; outbox_partition_of;
+-- outbox_claim_lock_key): they read no table.
+--
+-- Migrations are not the relay role's job: run `outbox-relay migrate` as the owner, and
+-- `outbox-relay run --no-migrate` as the relay role (without --no-migrate it exits 1 with
+-- "permission denied").
+
+\set ON_ERROR_STOP on
+\set QUIET on
+
+\if :{?schema}
+\else
+\set schema public
+\endif
+\if :{?relay_role}
+\else
+\set relay_role outbox_relay
+\endif
+\if :{?producer_role}
+\else
+\set producer_role outbox_producer
+\endif
+\if :{?consumer_role}
+\else
+\set consumer_role outbox_consumer
+\endif
+
+BEGIN;
+
+-- Refuse to run before the migrations (the grants below would fail one by one).
+SELECT set_config('outbox.roles_schema', :'schema', true) AS schema \gset outbox_roles_
+DO $$
+BEGIN
+    IF to_regclass(format('%I.outbox_events', current_setting('outbox.roles_schema'))) IS NULL
+       OR to_regclass(format('%I.outbox_effects', current_setting('outbox.roles_schema'))) IS NULL THEN
+        RAISE EXCEPTION 'schema "%" has no outbox tables', current_setting('outbox.roles_schema')
+            USING HINT = 'run outbox-relay migrate (as the owner) first, then apply roles.sql';
+    END IF;
+END
+$$;
+
+-- The roles, created when missing. An existing role keeps its attributes.
+SELECT format('CREATE ROLE %I LOGIN', r.name)
+  FROM unnest(ARRAY[:'relay_role', :'producer_role', :'consumer_role']) AS r(name)
+ WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r.name)
+\gexec
+
+\if :{?relay_password}
+ALTER ROLE :"relay_role" PASSWORD :'relay_password';
+\endif
+\if :{?producer_password}
+ALTER ROLE :"producer_role" PASSWORD :'producer_password';
+\endif
+\if :{?consumer_password}
+ALTER ROLE :"consumer_role" PASSWORD :'consumer_password';
+\endif
+
+GRANT CONNECT ON DATABASE :"DBNAME" TO :"relay_role", :"producer_role", :"consumer_role";
+GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"producer_role", :"consumer_role";
+
+-- Start from nothing on every outbox table, so re-applying converges (also drops grants
+-- an earlier version of this file made). Revoking a table privilege revokes its column
+-- privileges too. outbox_schema_migrations, the ledger of `outbox-relay migrate`, stays
+-- the owner's alone: no role here reads or writes it.
+REVOKE ALL ON TABLE
+    :"schema".outbox_events, :"schema".outbox_key_seq, :"schema".outbox_partitions,
+    :"schema".outbox_relays,
+    :"schema".outbox_inbox, :"schema".outbox_inbox_keys, :"schema".outbox_inbox_gaps,
+    :"schema".outbox_effects, :"schema".outbox_budgets, :"schema".outbox_budget_reservations
+    FROM :"relay_role", :"producer_role", :"consumer_role";
+
+---------------------------------------------------------------------------------------------
+-- Relay: claims, numbers, marks, parks and (with --retention) deletes rows; leases
+-- partitions; keeps its heartbeat. Also enough for the operator commands (status, parked
+-- list, redrive) and the dashboard's re-drive.
+
+-- outbox_claim and the operator commands read rows; --retention deletes dispatched ones.
+GRANT SELECT, DELETE ON :"schema".outbox_events TO :"relay_role";
+-- Only the columns the relay manages: it can never change what a producer wrote.
+-- (mark: dispatched_at; outbox_claim: seq; outbox_record_failures: attempts, last_error,
+-- parked_at, seq; outbox_redrive: parked_at, attempts, seq.)
+GRANT UPDATE (dispatched_at, attempts, last_error, parked_at, seq)
+    ON :"schema".outbox_events TO :"relay_role";
+-- outbox_claim: INSERT ... ON CONFLICT DO UPDATE of a key's last seq;
+-- outbox_record_failures (--on-park block-key) rewinds it.
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_key_seq TO :"relay_role";
+-- outbox_lease / outbox_leave / outbox_claim: the 64 rows exist; only owners change.
+GRANT SELECT, UPDATE (owner, epoch, lease_until) ON :"schema".outbox_partitions TO :"relay_role";
+-- outbox_lease: heartbeat upsert, forgetting silent relays; set_wakeup; outbox_leave.
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_relays TO :"relay_role";
+
+---------------------------------------------------------------------------------------------
+-- Producer: writes events, nothing else.
+
+-- Only the columns a producer writes (the relay's columns take their defaults). event_id
+-- may be given by the producer (the Rust API generates it client-side).
+GRANT INSERT (event_id, aggregate_type, aggregate_id, event_type, payload, headers,
+              routing_key, available_at, traceparent, tracestate)
+    ON :"schema".outbox_events TO :"producer_role";
+-- `INSERT ... RETURNING event_id` and outbox_enqueue (which returns the new event_id) need
+-- to read that one column. No other column: a producer cannot read payloads, keys or state.
+GRANT SELECT (event_id) ON :"schema".outbox_events TO :"producer_role";
+-- The insert trigger (outbox_wakeup) runs as the producer and asks whether an idle relay
+-- wants a NOTIFY: these three columns of the relays' heartbeat table.
+GRANT SELECT (wants_wakeup, heartbeat_at, lease_secs) ON :"schema".outbox_relays TO :"producer_role";
+
+---------------------------------------------------------------------------------------------
+-- Consumer kit (0003): inbox, ordered keys, gaps, effects ledger, budgets. The handler's
+-- own tables are yours to grant.
+
+GRANT SELECT, INSERT, DELETE ON :"schema".outbox_inbox TO :"consumer_role";
+-- outbox_inbox_dead: ON CONFLICT DO UPDATE of an earlier outcome.
+GRANT UPDATE (outcome, reason) ON :"schema".outbox_inbox TO :"consumer_role";
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_inbox_keys TO :"consumer_role";
+GRANT SELECT, INSERT ON :"schema".outbox_inbox_gaps TO :"consumer_role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_effects TO :"consumer_role";
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_budgets TO :"consumer_role";
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_budget_reservations TO :"consumer_role";
+
+---------------------------------------------------------------------------------------------
+-- Functions, found by name so that any signature is covered. PUBLIC loses EXECUTE; each
+-- role gets its own set. (outbox_wakeup is a trigger function: triggers fire whatever the
+-- inserting role may EXECUTE, so nobody needs it.)
+
+CREATE TEMPORARY TABLE outbox_roles_functions (proname name, grantee text) ON COMMIT DROP;
+INSERT INTO outbox_roles_functions VALUES
+    ('outbox_claim', :'relay_role'),
+    ('outbox_lease', :'relay_role'),
+    ('outbox_leave', :'relay_role'),
+    ('outbox_record_failures', :'relay_role'),
+    ('outbox_redrive', :'relay_role'),
+    ('outbox_enqueue', :'producer_role'),
+    ('outbox_wakeup', NULL),
+    ('outbox_inbox_record', :'consumer_role'),
+    ('outbox_inbox_gap', :'consumer_role'),
+    ('outbox_inbox_dead', :'consumer_role'),
+    ('outbox_budget_set', :'consumer_role'),
+    ('outbox_budget_reserve', :'consumer_role'),
+    ('outbox_budget_release', :'consumer_role'),
+    ('outbox_budget_consume', :'consumer_role'),
+    ('outbox_effect_enqueue', :'consumer_role'),
+    ('outbox_effect_claim', :'consumer_role'),
+    ('outbox_effect_complete', :'consumer_role'),
+    ('outbox_effect_fail', :'consumer_role'),
+    ('outbox_effect_retry', :'consumer_role'),
+    ('outbox_effect_cancel', :'consumer_role'),
+    ('outbox_effect_withdrawn', :'consumer_role'),
+    ('outbox_effect_withdraw_failed', :'consumer_role'),
+    ('outbox_effect_stuck', :'consumer_role'),
+    ('outbox_effect_resolve', :'consumer_role'),
+    ('outbox_consumer_prune', :'consumer_role');
+
+SELECT format('REVOKE ALL ON FUNCTION %s FROM PUBLIC, %I, %I, %I',
+              p.oid::regprocedure, :'relay_role', :'producer_role', :'consumer_role')
+  FROM pg_proc p JOIN outbox_roles_functions f ON f.proname = p.proname
+ WHERE p.pronamespace = to_regnamespace(:'schema')
+ ORDER BY 1
+\gexec
+
+SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, f.grantee)
+  FROM pg_proc p JOIN outbox_roles_functions f ON f.proname = p.proname
+ WHERE p.pronamespace = to_regnamespace(:'schema') AND f.grantee IS NOT NULL
+ ORDER BY 1
+\gexec
+
+COMMIT;
+
+\echo roles.sql: roles :relay_role (relay), :producer_role (producer), :consumer_role (consumer kit) granted on schema :schema of database :DBNAME
