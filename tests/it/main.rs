@@ -3,4 +3,5 @@
 
 mod support;
 
+mod bench_smoke;
 mod relay_core;

@@ -1,0 +1,811 @@
+//! What a run found, as a Markdown table (stdout, pasteable into BENCHMARKS.md) and as
+//! JSON (`--json`), with the issue-6 targets and how far each is. Every comparison is a
+//! ratio of two figures measured in this run: absolute numbers on a shared 2-core machine
+//! move from run to run, ratios much less.
+
+use std::fmt::Write;
+
+use serde_json::{Value, json};
+
+use crate::amqp::Ceiling;
+use crate::procfs::CpuSplit;
+use crate::sections::{Drain, Growth, Latency, ProducerCost, Settings, Sweep};
+use crate::stats::round3;
+use crate::svg;
+
+/// A section's outcome: not run (`None`), measured, or failed with a message.
+pub type Outcome<T> = Option<Result<T, String>>;
+
+pub struct Machine {
+    pub cores: usize,
+    pub memory_gib: f64,
+    pub cpu_model: String,
+    pub kernel: String,
+    pub postgres: String,
+    pub load_at_start: String,
+}
+
+impl Machine {
+    pub fn read(postgres: String) -> Machine {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let memory_kib: f64 = read("/proc/meminfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0.0);
+        Machine {
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            memory_gib: memory_kib / 1024.0 / 1024.0,
+            cpu_model: read("/proc/cpuinfo")
+                .lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+                .unwrap_or_default(),
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_owned(),
+            postgres,
+            load_at_start: read("/proc/loadavg")
+                .split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" "),
+        }
+    }
+}
+
+pub struct Results {
+    pub settings: Settings,
+    pub machine: Machine,
+    pub started_unix: f64,
+    pub duration_s: f64,
+    pub ceiling: Outcome<Ceiling>,
+    pub drain: Outcome<Drain>,
+    pub latency: Outcome<Vec<Latency>>,
+    pub producer: Outcome<ProducerCost>,
+    pub growth: Outcome<Growth>,
+    pub sweep: Outcome<Sweep>,
+}
+
+/// One issue-6 target and how far the run is from it.
+pub struct Target {
+    pub name: &'static str,
+    pub goal: String,
+    pub measured: String,
+    pub met: Option<bool>,
+}
+
+pub fn thousands(v: f64) -> String {
+    let n = v.round() as i64;
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 { format!("-{out}") } else { out }
+}
+
+fn ok<T>(o: &Outcome<T>) -> Option<&T> {
+    o.as_ref().and_then(|r| r.as_ref().ok())
+}
+
+fn mb(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+impl Results {
+    pub fn errors(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut add = |name: &str, e: Option<&String>| {
+            if let Some(e) = e {
+                out.push((name.to_owned(), e.clone()));
+            }
+        };
+        add(
+            "broker_ceiling",
+            self.ceiling.as_ref().and_then(|r| r.as_ref().err()),
+        );
+        add("drain", self.drain.as_ref().and_then(|r| r.as_ref().err()));
+        add(
+            "latency",
+            self.latency.as_ref().and_then(|r| r.as_ref().err()),
+        );
+        add(
+            "producer_cost",
+            self.producer.as_ref().and_then(|r| r.as_ref().err()),
+        );
+        add(
+            "growth",
+            self.growth.as_ref().and_then(|r| r.as_ref().err()),
+        );
+        add("sweep", self.sweep.as_ref().and_then(|r| r.as_ref().err()));
+        out
+    }
+
+    fn drain_ratio(&self) -> Option<f64> {
+        Some(ok(&self.drain)?.rate / ok(&self.ceiling)?.rate)
+    }
+
+    fn busy_ratio(&self) -> Option<f64> {
+        let p = ok(&self.producer)?;
+        Some(p.rate("outbox_relay_busy")? / p.rate("plain_relay_busy")?)
+    }
+
+    fn latency_at(&self, rate: u64, listen: bool) -> Option<&Latency> {
+        ok(&self.latency)?
+            .iter()
+            .find(|l| l.target_rate == rate && l.listen == listen)
+    }
+
+    /// Peak RSS over every drain of the run (the relay's VmHWM), MiB.
+    fn peak_rss_mb(&self) -> Option<f64> {
+        let mut peaks: Vec<u64> = Vec::new();
+        if let Some(d) = ok(&self.drain) {
+            peaks.push(d.usage.peak_rss_kib);
+        }
+        if let Some(g) = ok(&self.growth) {
+            peaks.push(g.loaded.usage.peak_rss_kib);
+            peaks.push(g.empty.usage.peak_rss_kib);
+        }
+        if let Some(s) = ok(&self.sweep) {
+            peaks.extend(s.points.iter().map(|p| p.drain.usage.peak_rss_kib));
+        }
+        peaks.into_iter().max().map(mb)
+    }
+
+    pub fn targets(&self) -> Vec<Target> {
+        let yes = |b: bool| Some(b);
+        let mut t = Vec::new();
+        let dr = self.drain_ratio();
+        t.push(Target {
+            name: "drain rate vs broker ceiling",
+            goal: ">= 0.90".into(),
+            measured: dr.map_or("not measured".into(), |r| format!("{r:.2}")),
+            met: dr.and_then(|r| yes(r >= 0.90)),
+        });
+        let br = self.busy_ratio();
+        t.push(Target {
+            name: "producer commits/s, relay busy, vs table without triggers",
+            goal: ">= 0.90".into(),
+            measured: br.map_or("not measured".into(), |r| format!("{r:.2}")),
+            met: br.and_then(|r| yes(r >= 0.90)),
+        });
+        let w = ok(&self.producer).filter(|p| p.wakeup.count > 0);
+        t.push(Target {
+            name: "idle wake-up latency p99",
+            goal: "< 50 ms".into(),
+            measured: w.map_or("not measured".into(), |p| {
+                format!("{:.1} ms", p.wakeup.p99_ms)
+            }),
+            met: w.map(|p| p.wakeup.p99_ms < 50.0 && p.wakeup_missing == 0),
+        });
+        let l = self.latency_at(1000, true);
+        t.push(Target {
+            name: "latency at 1,000/s with LISTEN (p50, p99)",
+            goal: "< 2 ms, < 5 ms".into(),
+            measured: l.map_or("not measured".into(), |l| {
+                format!("{:.1} ms, {:.1} ms", l.summary.p50_ms, l.summary.p99_ms)
+            }),
+            met: l.map(|l| l.summary.p50_ms < 2.0 && l.summary.p99_ms < 5.0 && l.missing == 0),
+        });
+        let g = ok(&self.growth).map(Growth::ratio);
+        t.push(Target {
+            name: "drain rate with 5M dispatched rows vs empty table",
+            goal: ">= 0.95".into(),
+            measured: g.map_or("not measured".into(), |r| {
+                format!(
+                    "{r:.2} ({} rows)",
+                    thousands(ok(&self.growth).map_or(0, |g| g.history_rows) as f64)
+                )
+            }),
+            met: g.map(|r| r >= 0.95),
+        });
+        let m = self.peak_rss_mb();
+        t.push(Target {
+            name: "relay peak RSS during drains",
+            goal: "< 50 MB".into(),
+            measured: m.map_or("not measured".into(), |m| format!("{m:.1} MiB")),
+            met: m.map(|m| m < 50.0),
+        });
+        t
+    }
+
+    /// The Markdown report printed on stdout.
+    pub fn markdown(&self) -> String {
+        let s = &self.settings;
+        let mut o = String::new();
+        let mode = if s.smoke {
+            "smoke (tiny sizes: the figures mean nothing)"
+        } else {
+            "full"
+        };
+        let _ = writeln!(o, "## outbox-bench: {mode}\n");
+        let _ = writeln!(
+            o,
+            "Machine: {} cores ({}), {:.0} GiB, Linux {}, {}; load average at start {}. \
+             Shared and noisy: compare the ratios, not the absolute rates.\n",
+            self.machine.cores,
+            self.machine.cpu_model,
+            self.machine.memory_gib,
+            self.machine.kernel,
+            self.machine.postgres,
+            self.machine.load_at_start
+        );
+        let _ = writeln!(
+            o,
+            "Relay: {}. Events: about {} bytes of JSON, {} keys. Run took {:.0} s.\n",
+            s.relay.describe(),
+            ok(&self.drain).map_or(500.0, |d| d.payload_bytes).round(),
+            thousands(s.keys as f64),
+            self.duration_s
+        );
+        let _ = writeln!(o, "| # | measurement | figure | value | ratio |");
+        let _ = writeln!(o, "|---|---|---|---|---|");
+        let mut row = |n: &str, m: &str, f: &str, v: String, r: String| {
+            let _ = writeln!(o, "| {n} | {m} | {f} | {v} | {r} |");
+        };
+        let ceiling = ok(&self.ceiling).map(|c| c.rate);
+        match &self.ceiling {
+            Some(Ok(c)) => row(
+                "1",
+                "broker ceiling",
+                &format!(
+                    "publish + confirm, no database, {} channels, window {}, {:.0}-byte body, persistent",
+                    c.channels, c.window, c.body_bytes
+                ),
+                format!("{} events/s", thousands(c.rate)),
+                "1.00".into(),
+            ),
+            Some(Err(e)) => row("1", "broker ceiling", "FAILED", e.clone(), String::new()),
+            None => {}
+        }
+        let of_ceiling = |r: f64| ceiling.map_or(String::new(), |c| format!("{:.2} of (1)", r / c));
+        match &self.drain {
+            Some(Ok(d)) => {
+                row(
+                    "2",
+                    "backlog drain",
+                    &format!(
+                        "{} events, {} keys: relay start to all dispatched and queued",
+                        thousands(d.events as f64),
+                        thousands(s.keys as f64)
+                    ),
+                    format!("{} events/s ({:.1} s)", thousands(d.rate), d.seconds),
+                    of_ceiling(d.rate),
+                );
+                row(
+                    "2",
+                    "",
+                    "first to last dispatched_at (start-up excluded)",
+                    format!("{} events/s", thousands(d.steady_rate)),
+                    of_ceiling(d.steady_rate),
+                );
+                row(
+                    "2",
+                    "",
+                    "relay start to first row dispatched",
+                    format!("{:.2} s", d.startup_s),
+                    String::new(),
+                );
+            }
+            Some(Err(e)) => row("2", "backlog drain", "FAILED", e.clone(), String::new()),
+            None => {}
+        }
+        match &self.latency {
+            Some(Ok(runs)) => {
+                for l in runs {
+                    row(
+                        "3",
+                        &format!(
+                            "latency at {}/s, {}",
+                            thousands(l.target_rate as f64),
+                            if l.listen {
+                                "LISTEN".to_owned()
+                            } else {
+                                format!("--no-listen (poll {})", l.poll_interval)
+                            }
+                        ),
+                        "commit returned to consumer arrival: p50 / p99 / max",
+                        format!(
+                            "{:.1} / {:.1} / {:.1} ms",
+                            l.summary.p50_ms, l.summary.p99_ms, l.summary.max_ms
+                        ),
+                        format!(
+                            "achieved {}/s, {} samples{}",
+                            thousands(l.achieved_rate),
+                            thousands(l.summary.count as f64),
+                            if l.missing > 0 {
+                                format!(", {} NEVER ARRIVED", l.missing)
+                            } else {
+                                String::new()
+                            }
+                        ),
+                    );
+                }
+            }
+            Some(Err(e)) => row("3", "latency", "FAILED", e.clone(), String::new()),
+            None => {}
+        }
+        match &self.producer {
+            Some(Ok(p)) => {
+                let plain = p.rate("plain").unwrap_or(f64::NAN);
+                let plain_busy = p.rate("plain_relay_busy").unwrap_or(f64::NAN);
+                for r in &p.runs {
+                    let base = if r.id.ends_with("relay_busy") && r.id != "plain_relay_busy" {
+                        format!("{:.2} of plain, relay busy", r.tx_per_s / plain_busy)
+                    } else {
+                        format!("{:.2} of plain", r.tx_per_s / plain)
+                    };
+                    let notes = match r.notifies {
+                        Some(n) => format!(
+                            "{} tx/s ({:.2} NOTIFY/tx)",
+                            thousands(r.tx_per_s),
+                            n as f64 / r.commits.max(1) as f64
+                        ),
+                        None => format!("{} tx/s", thousands(r.tx_per_s)),
+                    };
+                    row(
+                        "4",
+                        &format!("producers ({} connections)", p.producers),
+                        r.what,
+                        notes,
+                        base,
+                    );
+                }
+                row(
+                    "4",
+                    "idle wake-up",
+                    "one event every ~100 ms, commit to arrival: p50 / p99 / max",
+                    format!(
+                        "{:.1} / {:.1} / {:.1} ms",
+                        p.wakeup.p50_ms, p.wakeup.p99_ms, p.wakeup.max_ms
+                    ),
+                    format!(
+                        "{} samples{}",
+                        p.wakeup.count,
+                        if p.wakeup_missing > 0 {
+                            format!(", {} NEVER ARRIVED", p.wakeup_missing)
+                        } else {
+                            String::new()
+                        }
+                    ),
+                );
+                if !p.busy_throughout {
+                    row(
+                        "4",
+                        "",
+                        "WARNING",
+                        "the relay ran out of backlog during the busy runs".into(),
+                        String::new(),
+                    );
+                }
+            }
+            Some(Err(e)) => row("4", "producer cost", "FAILED", e.clone(), String::new()),
+            None => {}
+        }
+        match &self.growth {
+            Some(Ok(g)) => {
+                row(
+                    "5",
+                    "growth",
+                    &format!(
+                        "drain with {} dispatched rows in the table (made in {:.0} s)",
+                        thousands(g.history_rows as f64),
+                        g.history_s
+                    ),
+                    format!("{} events/s", thousands(g.loaded.rate)),
+                    format!(
+                        "{:.2} of empty table ({} events/s)",
+                        g.ratio(),
+                        thousands(g.empty.rate)
+                    ),
+                );
+            }
+            Some(Err(e)) => row("5", "growth", "FAILED", e.clone(), String::new()),
+            None => {}
+        }
+        if let Some(d) = ok(&self.drain) {
+            row(
+                "6",
+                "relay resources (drain 2)",
+                "peak RSS (VmHWM)",
+                format!("{:.1} MiB", mb(d.usage.peak_rss_kib)),
+                String::new(),
+            );
+            row(
+                "6",
+                "",
+                "relay CPU per 100,000 events",
+                format!("{:.2} s", d.cpu_per_100k(d.cpu.relay)),
+                String::new(),
+            );
+        }
+        if let Some(g) = ok(&self.growth) {
+            row(
+                "6",
+                "relay resources (drain 5)",
+                "peak RSS / CPU per 100,000 events",
+                format!(
+                    "{:.1} MiB / {:.2} s",
+                    mb(g.loaded.usage.peak_rss_kib),
+                    g.loaded.cpu_per_100k(g.loaded.cpu.relay)
+                ),
+                String::new(),
+            );
+        }
+        o.push('\n');
+
+        if let Some(d) = ok(&self.drain) {
+            let _ = writeln!(o, "Where the CPU went during the drain (2):\n");
+            o.push_str(&cpu_table(d));
+            o.push('\n');
+        }
+
+        let _ = writeln!(o, "Issue-6 targets:\n");
+        let _ = writeln!(o, "| target | goal | measured | met |");
+        let _ = writeln!(o, "|---|---|---|---|");
+        for t in self.targets() {
+            let met = match t.met {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "-",
+            };
+            let _ = writeln!(o, "| {} | {} | {} | {met} |", t.name, t.goal, t.measured);
+        }
+        o.push('\n');
+
+        if let Some(sw) = ok(&self.sweep) {
+            let _ = writeln!(
+                o,
+                "Sweep: drain rate (events/s) of {} events, and its ratio to the broker ceiling of the same channel count:\n",
+                thousands(sw.events as f64)
+            );
+            let channels: Vec<usize> = sw.ceilings.iter().map(|c| c.channels).collect();
+            let _ = write!(o, "| batch size |");
+            for c in &channels {
+                let _ = write!(o, " {c} channel{} |", if *c == 1 { "" } else { "s" });
+            }
+            let _ = write!(o, "\n|---|");
+            for _ in &channels {
+                let _ = write!(o, "---|");
+            }
+            o.push('\n');
+            let _ = write!(o, "| broker ceiling |");
+            for c in &sw.ceilings {
+                let _ = write!(o, " {} |", thousands(c.rate));
+            }
+            o.push('\n');
+            for b in &s.sweep_batches {
+                let _ = write!(o, "| {b} |");
+                for c in &sw.ceilings {
+                    match sw
+                        .points
+                        .iter()
+                        .find(|p| p.batch_size == *b && p.channels == c.channels)
+                    {
+                        Some(p) => {
+                            let _ = write!(
+                                o,
+                                " {} ({:.2}) |",
+                                thousands(p.drain.rate),
+                                p.drain.rate / c.rate
+                            );
+                        }
+                        None => o.push_str(" - |"),
+                    }
+                }
+                o.push('\n');
+            }
+            o.push('\n');
+        }
+        for (section, e) in self.errors() {
+            let _ = writeln!(o, "ERROR in {section}: {e}");
+        }
+        o
+    }
+
+    pub fn svg(&self) -> Option<String> {
+        let sw = ok(&self.sweep)?;
+        let categories: Vec<String> = self
+            .settings
+            .sweep_batches
+            .iter()
+            .map(|b| b.to_string())
+            .collect();
+        let series: Vec<svg::Series> = sw
+            .ceilings
+            .iter()
+            .map(|c| svg::Series {
+                label: format!(
+                    "{} channel{}",
+                    c.channels,
+                    if c.channels == 1 { "" } else { "s" }
+                ),
+                points: self
+                    .settings
+                    .sweep_batches
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, b)| {
+                        sw.points
+                            .iter()
+                            .find(|p| p.batch_size == *b && p.channels == c.channels)
+                            .map(|p| (i, p.drain.rate))
+                    })
+                    .collect(),
+                reference: Some(c.rate),
+            })
+            .collect();
+        Some(svg::line_chart(
+            &format!(
+                "outbox-relay drain rate, {} events (confirm window {})",
+                thousands(sw.events as f64),
+                self.settings.relay.confirm_window
+            ),
+            "batch size (rows per claim)",
+            "events/s",
+            &categories,
+            &series,
+        ))
+    }
+
+    pub fn json(&self) -> Value {
+        let s = &self.settings;
+        let section = |o: &Outcome<Value>| match o {
+            None => Value::Null,
+            Some(Ok(v)) => v.clone(),
+            Some(Err(e)) => json!({ "error": e }),
+        };
+        let ceiling = self
+            .ceiling
+            .as_ref()
+            .map(|r| r.as_ref().map(ceiling_json).map_err(Clone::clone));
+        let drain = self.drain.as_ref().map(|r| {
+            r.as_ref()
+                .map(|d| {
+                    let mut v = drain_json(d);
+                    if let Some(c) = ok(&self.ceiling) {
+                        v["ratio_to_ceiling"] = json!(round3(d.rate / c.rate));
+                        v["steady_ratio_to_ceiling"] = json!(round3(d.steady_rate / c.rate));
+                    }
+                    v
+                })
+                .map_err(Clone::clone)
+        });
+        let latency = self.latency.as_ref().map(|r| {
+            r.as_ref()
+                .map(|runs| {
+                    json!({ "runs": runs.iter().map(|l| json!({
+                        "target_rate": l.target_rate,
+                        "listen": l.listen,
+                        "poll_interval": l.poll_interval,
+                        "achieved_rate": l.achieved_rate.round(),
+                        "warmup_events": l.warmup_events,
+                        "latency": l.summary.json(),
+                        "missing": l.missing,
+                        "arrived_before_commit_returned": l.arrived_before_commit_returned,
+                    })).collect::<Vec<_>>() })
+                })
+                .map_err(Clone::clone)
+        });
+        let producer = self.producer.as_ref().map(|r| {
+            r.as_ref()
+                .map(|p| {
+                    let plain = p.rate("plain").unwrap_or(f64::NAN);
+                    let plain_busy = p.rate("plain_relay_busy").unwrap_or(f64::NAN);
+                    json!({
+                        "producers": p.producers,
+                        "seconds_per_run": p.seconds,
+                        "runs": p.runs.iter().map(|r| json!({
+                            "id": r.id,
+                            "what": r.what,
+                            "tx_per_s": r.tx_per_s.round(),
+                            "commits": r.commits,
+                            "notifies": r.notifies,
+                            "ratio_to_plain": round3(r.tx_per_s / plain),
+                        })).collect::<Vec<_>>(),
+                        "ratio_busy_to_plain_busy": round3(p.rate("outbox_relay_busy").unwrap_or(f64::NAN) / plain_busy),
+                        "busy_throughout": p.busy_throughout,
+                        "busy_backlog_events": p.busy_backlog,
+                        "idle_wakeup": p.wakeup.json(),
+                        "idle_wakeup_missing": p.wakeup_missing,
+                    })
+                })
+                .map_err(Clone::clone)
+        });
+        let growth = self.growth.as_ref().map(|r| {
+            r.as_ref()
+                .map(|g| {
+                    json!({
+                        "history_rows": g.history_rows,
+                        "history_insert_s": round3(g.history_s),
+                        "empty": drain_json(&g.empty),
+                        "loaded": drain_json(&g.loaded),
+                        "ratio": round3(g.ratio()),
+                    })
+                })
+                .map_err(Clone::clone)
+        });
+        let resources = ok(&self.drain).map(|d| {
+            json!({
+                "peak_rss_mib": round3(mb(d.usage.peak_rss_kib)),
+                "peak_rss_mib_all_drains": self.peak_rss_mb().map(round3),
+                "relay_cpu_s_per_100k_events": round3(d.cpu_per_100k(d.cpu.relay)),
+                "postgres_cpu_s_per_100k_events": round3(d.cpu_per_100k(d.cpu.postgres_bench_db + d.cpu.postgres_other)),
+                "rabbitmq_cpu_s_per_100k_events": round3(d.cpu_per_100k(d.cpu.rabbitmq)),
+            })
+        });
+        let resources = match (&self.drain, resources) {
+            (_, Some(v)) => Some(Ok(v)),
+            (Some(Err(e)), None) => Some(Err(e.clone())),
+            _ => None,
+        };
+        let sweep = self.sweep.as_ref().map(|r| {
+            r.as_ref()
+                .map(|sw| {
+                    json!({
+                        "events": sw.events,
+                        "ceilings": sw.ceilings.iter().map(ceiling_json).collect::<Vec<_>>(),
+                        "points": sw.points.iter().map(|p| {
+                            let c = sw.ceilings.iter().find(|c| c.channels == p.channels).map_or(f64::NAN, |c| c.rate);
+                            json!({
+                                "batch_size": p.batch_size,
+                                "channels": p.channels,
+                                "rate": p.drain.rate.round(),
+                                "ratio_to_ceiling": round3(p.drain.rate / c),
+                                "peak_rss_mib": round3(mb(p.drain.usage.peak_rss_kib)),
+                            })
+                        }).collect::<Vec<_>>(),
+                    })
+                })
+                .map_err(Clone::clone)
+        });
+        json!({
+            "bench": "outbox-bench",
+            "format": 1,
+            "mode": if s.smoke { "smoke" } else { "full" },
+            "started_unix": self.started_unix.round(),
+            "duration_s": round3(self.duration_s),
+            "machine": {
+                "cores": self.machine.cores,
+                "memory_gib": round3(self.machine.memory_gib),
+                "cpu_model": self.machine.cpu_model,
+                "kernel": self.machine.kernel,
+                "postgres": self.machine.postgres,
+                "load_average_at_start": self.machine.load_at_start,
+            },
+            "settings": {
+                "events": s.events,
+                "keys": s.keys,
+                "relay": {
+                    "batch_size": s.relay.batch_size,
+                    "channels": s.relay.channels,
+                    "confirm_window": s.relay.confirm_window,
+                    "poll_interval": s.relay.poll_interval,
+                },
+                "latency_rates": s.latency_rates,
+                "latency_secs": s.latency_secs,
+                "latency_producers": s.latency_producers,
+                "producers": s.producers,
+                "producer_secs": s.producer_secs,
+                "wakeup_samples": s.wakeup_samples,
+                "growth_rows": s.growth_rows,
+                "sweep_batches": s.sweep_batches,
+                "sweep_channels": s.sweep_channels,
+                "sweep_events": s.sweep_events,
+            },
+            "broker_ceiling": section(&ceiling),
+            "drain": section(&drain),
+            "latency": section(&latency),
+            "producer_cost": section(&producer),
+            "growth": section(&growth),
+            "relay_resources": section(&resources),
+            "sweep": section(&sweep),
+            "targets": self.targets().iter().map(|t| json!({
+                "name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met,
+            })).collect::<Vec<_>>(),
+            "errors": self.errors().iter().map(|(s, e)| json!({"section": s, "error": e})).collect::<Vec<_>>(),
+        })
+    }
+}
+
+fn ceiling_json(c: &Ceiling) -> Value {
+    json!({
+        "messages": c.messages,
+        "seconds": round3(c.seconds),
+        "rate": c.rate.round(),
+        "channels": c.channels,
+        "confirm_window": c.window,
+        "body_bytes": c.body_bytes.round(),
+    })
+}
+
+fn drain_json(d: &Drain) -> Value {
+    json!({
+        "events": d.events,
+        "batch_size": d.settings.batch_size,
+        "channels": d.settings.channels,
+        "seconds": round3(d.seconds),
+        "rate": d.rate.round(),
+        "steady_rate": d.steady_rate.round(),
+        "startup_s": round3(d.startup_s),
+        "payload_bytes": d.payload_bytes.round(),
+        "relay_peak_rss_mib": round3(mb(d.usage.peak_rss_kib)),
+        "relay_rss_at_end_mib": round3(mb(d.usage.rss_kib)),
+        "relay_cpu_s": round3(d.usage.cpu_s),
+        "cpu": cpu_json(&d.cpu, d.events),
+    })
+}
+
+fn cpu_json(c: &CpuSplit, events: u64) -> Value {
+    let per = |x: f64| round3(x * 100_000.0 / events as f64);
+    json!({
+        "wall_s": round3(c.wall_s),
+        "machine_busy_fraction": round3(c.machine_busy_frac),
+        "seconds": {
+            "relay": round3(c.relay),
+            "postgres_bench_db": round3(c.postgres_bench_db),
+            "postgres_other": round3(c.postgres_other),
+            "rabbitmq": round3(c.rabbitmq),
+            "bench": round3(c.bench),
+            "other": round3(c.other),
+        },
+        "seconds_per_100k_events": {
+            "relay": per(c.relay),
+            "postgres_bench_db": per(c.postgres_bench_db),
+            "postgres_other": per(c.postgres_other),
+            "rabbitmq": per(c.rabbitmq),
+        },
+    })
+}
+
+fn cpu_table(d: &Drain) -> String {
+    let c = &d.cpu;
+    let capacity = c.wall_s * std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "| process | CPU s | CPU s per 100,000 events | share of machine ({:.1} s wall) |",
+        c.wall_s
+    );
+    let _ = writeln!(o, "|---|---|---|---|");
+    for (name, v) in [
+        ("outbox-relay", c.relay),
+        (
+            "postgres backends of the bench database",
+            c.postgres_bench_db,
+        ),
+        ("postgres background and other databases", c.postgres_other),
+        ("rabbitmq (beam.smp)", c.rabbitmq),
+        ("outbox-bench itself (polling)", c.bench),
+        ("everything else (other users of the machine)", c.other),
+    ] {
+        let _ = writeln!(
+            o,
+            "| {name} | {v:.2} | {:.2} | {:.0}% |",
+            d.cpu_per_100k(v),
+            100.0 * v / capacity.max(1e-9)
+        );
+    }
+    let _ = writeln!(
+        o,
+        "| machine busy | | | {:.0}% |",
+        100.0 * c.machine_busy_frac
+    );
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thousands_are_grouped() {
+        assert_eq!(thousands(0.0), "0");
+        assert_eq!(thousands(999.4), "999");
+        assert_eq!(thousands(1000.0), "1,000");
+        assert_eq!(thousands(5_000_000.0), "5,000,000");
+        assert_eq!(thousands(-1234.0), "-1,234");
+    }
+}
