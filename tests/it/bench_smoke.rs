@@ -74,7 +74,7 @@ async fn bench_smoke_measures_every_section() {
         assert!(r["latency"]["samples"].as_u64().unwrap() > 0);
     }
     let producer = &report["producer_cost"];
-    assert_eq!(producer["runs"].as_array().unwrap().len(), 6);
+    assert_eq!(producer["runs"].as_array().unwrap().len(), 7);
     assert!(producer["idle_wakeup"]["samples"].as_u64().unwrap() > 0);
     assert!(report["growth"]["ratio"].as_f64().unwrap() > 0.0);
     assert!(report["relay_resources"]["peak_rss_mib"].as_f64().unwrap() > 0.0);

@@ -156,6 +156,11 @@ impl Admin {
             ))
             .await
             .with_context(|| format!("create database {name}"))?;
+        // Time spent inside outbox_claim, per call, for the profile (pg_stat_user_functions).
+        // It costs two clock reads per PL/pgSQL call, the same in every run.
+        self.client
+            .batch_execute(&format!("ALTER DATABASE {name} SET track_functions = 'pl'"))
+            .await?;
         let target = self.target.with_dbname(&name);
         let client = target
             .connect(&Schema::default(), "outbox-bench")
@@ -209,6 +214,49 @@ fn url_with_db(url: &str, db: &str) -> String {
         None => format!("{host_part}/{db}"),
     }
 }
+
+/// Postgres's own cumulative counters for the bench database's `outbox_events`; subtract
+/// two readings to see what Postgres did in between.
+#[derive(Clone, Debug, Default)]
+pub struct PgCounters {
+    pub xact_commit: i64,
+    pub tup_upd: i64,
+    pub tup_hot_upd: i64,
+    /// Blocks read from outside shared_buffers (the OS cache or disk) and found inside.
+    pub heap_blks_read: i64,
+    pub heap_blks_hit: i64,
+    pub idx_blks_read: i64,
+    pub idx_blks_hit: i64,
+    pub claim_calls: i64,
+    pub claim_ms: f64,
+}
+
+impl PgCounters {
+    pub fn minus(&self, before: &PgCounters) -> PgCounters {
+        PgCounters {
+            xact_commit: self.xact_commit - before.xact_commit,
+            tup_upd: self.tup_upd - before.tup_upd,
+            tup_hot_upd: self.tup_hot_upd - before.tup_hot_upd,
+            heap_blks_read: self.heap_blks_read - before.heap_blks_read,
+            heap_blks_hit: self.heap_blks_hit - before.heap_blks_hit,
+            idx_blks_read: self.idx_blks_read - before.idx_blks_read,
+            idx_blks_hit: self.idx_blks_hit - before.idx_blks_hit,
+            claim_calls: self.claim_calls - before.claim_calls,
+            claim_ms: self.claim_ms - before.claim_ms,
+        }
+    }
+}
+
+const PG_COUNTERS: &str = "SELECT
+    (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()),
+    t.n_tup_upd, t.n_tup_hot_upd,
+    coalesce(io.heap_blks_read, 0), coalesce(io.heap_blks_hit, 0),
+    coalesce((SELECT sum(idx_blks_read) FROM pg_statio_user_indexes i WHERE i.relid = t.relid), 0)::bigint,
+    coalesce((SELECT sum(idx_blks_hit) FROM pg_statio_user_indexes i WHERE i.relid = t.relid), 0)::bigint,
+    coalesce((SELECT calls FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0),
+    coalesce((SELECT total_time FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0)::float8
+  FROM pg_stat_user_tables t JOIN pg_statio_user_tables io USING (relid)
+ WHERE t.relname = 'outbox_events'";
 
 /// One measurement's database.
 pub struct BenchDb {
@@ -348,6 +396,47 @@ impl BenchDb {
             )
             .await?
             .get(0))
+    }
+
+    /// Reads [`PgCounters`] (after making this connection's own pending statistics visible).
+    pub async fn pg_counters(&self) -> Result<PgCounters> {
+        self.client
+            .batch_execute("SELECT pg_stat_force_next_flush()")
+            .await?;
+        self.client.batch_execute("SELECT 1").await?;
+        let r = self.client.query_one(PG_COUNTERS, &[]).await?;
+        Ok(PgCounters {
+            xact_commit: r.get(0),
+            tup_upd: r.get(1),
+            tup_hot_upd: r.get(2),
+            heap_blks_read: r.get(3),
+            heap_blks_hit: r.get(4),
+            idx_blks_read: r.get(5),
+            idx_blks_hit: r.get(6),
+            claim_calls: r.get(7),
+            claim_ms: r.get(8),
+        })
+    }
+
+    /// Waits (up to 5 s) until no other session is connected: a backend publishes its last
+    /// statistics as it exits, so counters read after that are complete.
+    pub async fn wait_alone(&self) -> Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            let others: i64 = self
+                .client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    &[&self.name],
+                )
+                .await?
+                .get(0);
+            if others == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        Ok(())
     }
 
     /// Pids of the backends connected to this database (for CPU attribution).

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use crate::amqp::Ceiling;
 use crate::procfs::CpuSplit;
-use crate::sections::{Drain, Growth, Latency, ProducerCost, Settings, Sweep};
+use crate::sections::{CeilingRuns, Drain, Growth, Latency, ProducerCost, Settings, Sweep};
 use crate::stats::round3;
 use crate::svg;
 
@@ -57,7 +57,7 @@ pub struct Results {
     pub machine: Machine,
     pub started_unix: f64,
     pub duration_s: f64,
-    pub ceiling: Outcome<Ceiling>,
+    pub ceiling: Outcome<CeilingRuns>,
     pub drain: Outcome<Drain>,
     pub latency: Outcome<Vec<Latency>>,
     pub producer: Outcome<ProducerCost>,
@@ -124,7 +124,7 @@ impl Results {
     }
 
     fn drain_ratio(&self) -> Option<f64> {
-        Some(ok(&self.drain)?.rate / ok(&self.ceiling)?.rate)
+        Some(ok(&self.drain)?.rate / ok(&self.ceiling)?.rate())
     }
 
     fn busy_ratio(&self) -> Option<f64> {
@@ -245,18 +245,22 @@ impl Results {
         let mut row = |n: &str, m: &str, f: &str, v: String, r: String| {
             let _ = writeln!(o, "| {n} | {m} | {f} | {v} | {r} |");
         };
-        let ceiling = ok(&self.ceiling).map(|c| c.rate);
+        let ceiling = ok(&self.ceiling).map(CeilingRuns::rate);
         match &self.ceiling {
-            Some(Ok(c)) => row(
-                "1",
-                "broker ceiling",
-                &format!(
-                    "publish + confirm, no database, {} channels, window {}, {:.0}-byte body, persistent",
-                    c.channels, c.window, c.body_bytes
-                ),
-                format!("{} events/s", thousands(c.rate)),
-                "1.00".into(),
-            ),
+            Some(Ok(cr)) => {
+                let c = cr.first();
+                let runs: Vec<String> = cr.runs.iter().map(|c| thousands(c.rate)).collect();
+                row(
+                    "1",
+                    "broker ceiling",
+                    &format!(
+                        "publish + confirm, no database, {} channels, window {}, {:.0}-byte body, persistent; mean of the runs before and after (2)",
+                        c.channels, c.window, c.body_bytes
+                    ),
+                    format!("{} events/s ({})", thousands(cr.rate()), runs.join(", ")),
+                    "1.00".into(),
+                )
+            }
             Some(Err(e)) => row("1", "broker ceiling", "FAILED", e.clone(), String::new()),
             None => {}
         }
@@ -329,13 +333,14 @@ impl Results {
         }
         match &self.producer {
             Some(Ok(p)) => {
-                let plain = p.rate("plain").unwrap_or(f64::NAN);
-                let plain_busy = p.rate("plain_relay_busy").unwrap_or(f64::NAN);
                 for r in &p.runs {
-                    let base = if r.id.ends_with("relay_busy") && r.id != "plain_relay_busy" {
-                        format!("{:.2} of plain, relay busy", r.tx_per_s / plain_busy)
+                    let base = if r.id == "outbox_relay_busy" {
+                        format!(
+                            "{:.2} of plain, relay busy",
+                            r.tx_per_s / p.baseline_of(r.id)
+                        )
                     } else {
-                        format!("{:.2} of plain", r.tx_per_s / plain)
+                        format!("{:.2} of plain", r.tx_per_s / p.baseline_of(r.id))
                     };
                     let notes = match r.notifies {
                         Some(n) => format!(
@@ -401,6 +406,20 @@ impl Results {
                         thousands(g.empty.rate)
                     ),
                 );
+                row(
+                    "5",
+                    "",
+                    "Postgres, empty table",
+                    pg_line(&g.empty),
+                    String::new(),
+                );
+                row(
+                    "5",
+                    "",
+                    "Postgres, with the dispatched rows",
+                    pg_line(&g.loaded),
+                    String::new(),
+                );
             }
             Some(Err(e)) => row("5", "growth", "FAILED", e.clone(), String::new()),
             None => {}
@@ -440,6 +459,7 @@ impl Results {
             let _ = writeln!(o, "Where the CPU went during the drain (2):\n");
             o.push_str(&cpu_table(d));
             o.push('\n');
+            let _ = writeln!(o, "Postgres during the drain (2): {}.\n", pg_line(d));
         }
 
         let _ = writeln!(o, "Issue-6 targets:\n");
@@ -458,38 +478,33 @@ impl Results {
         if let Some(sw) = ok(&self.sweep) {
             let _ = writeln!(
                 o,
-                "Sweep: drain rate (events/s) of {} events, and its ratio to the broker ceiling of the same channel count:\n",
+                "Sweep: drain rate of {} events / broker ceiling with the same channels measured just before it (ratio), events/s:\n",
                 thousands(sw.events as f64)
             );
-            let channels: Vec<usize> = sw.ceilings.iter().map(|c| c.channels).collect();
             let _ = write!(o, "| batch size |");
-            for c in &channels {
+            for c in &s.sweep_channels {
                 let _ = write!(o, " {c} channel{} |", if *c == 1 { "" } else { "s" });
             }
             let _ = write!(o, "\n|---|");
-            for _ in &channels {
+            for _ in &s.sweep_channels {
                 let _ = write!(o, "---|");
-            }
-            o.push('\n');
-            let _ = write!(o, "| broker ceiling |");
-            for c in &sw.ceilings {
-                let _ = write!(o, " {} |", thousands(c.rate));
             }
             o.push('\n');
             for b in &s.sweep_batches {
                 let _ = write!(o, "| {b} |");
-                for c in &sw.ceilings {
+                for c in &s.sweep_channels {
                     match sw
                         .points
                         .iter()
-                        .find(|p| p.batch_size == *b && p.channels == c.channels)
+                        .find(|p| p.batch_size == *b && p.channels == *c)
                     {
                         Some(p) => {
                             let _ = write!(
                                 o,
-                                " {} ({:.2}) |",
+                                " {} / {} ({:.2}) |",
                                 thousands(p.drain.rate),
-                                p.drain.rate / c.rate
+                                thousands(p.ceiling.rate),
+                                p.ratio()
                             );
                         }
                         None => o.push_str(" - |"),
@@ -513,16 +528,12 @@ impl Results {
             .iter()
             .map(|b| b.to_string())
             .collect();
-        let series: Vec<svg::Series> = sw
-            .ceilings
+        let series: Vec<svg::Series> = self
+            .settings
+            .sweep_channels
             .iter()
-            .map(|c| svg::Series {
-                label: format!(
-                    "{} channel{}",
-                    c.channels,
-                    if c.channels == 1 { "" } else { "s" }
-                ),
-                points: self
+            .map(|c| {
+                let mine: Vec<(usize, &crate::sections::SweepPoint)> = self
                     .settings
                     .sweep_batches
                     .iter()
@@ -530,11 +541,15 @@ impl Results {
                     .filter_map(|(i, b)| {
                         sw.points
                             .iter()
-                            .find(|p| p.batch_size == *b && p.channels == c.channels)
-                            .map(|p| (i, p.drain.rate))
+                            .find(|p| p.batch_size == *b && p.channels == *c)
+                            .map(|p| (i, p))
                     })
-                    .collect(),
-                reference: Some(c.rate),
+                    .collect();
+                svg::Series {
+                    label: format!("{c} channel{}", if *c == 1 { "" } else { "s" }),
+                    points: mine.iter().map(|(i, p)| (*i, p.drain.rate)).collect(),
+                    reference: mine.iter().map(|(i, p)| (*i, p.ceiling.rate)).collect(),
+                }
             })
             .collect();
         Some(svg::line_chart(
@@ -557,17 +572,23 @@ impl Results {
             Some(Ok(v)) => v.clone(),
             Some(Err(e)) => json!({ "error": e }),
         };
-        let ceiling = self
-            .ceiling
-            .as_ref()
-            .map(|r| r.as_ref().map(ceiling_json).map_err(Clone::clone));
+        let ceiling = self.ceiling.as_ref().map(|r| {
+            r.as_ref()
+                .map(|cr| {
+                    let mut v = ceiling_json(cr.first());
+                    v["rate"] = json!(cr.rate().round());
+                    v["runs"] = cr.runs.iter().map(ceiling_json).collect();
+                    v
+                })
+                .map_err(Clone::clone)
+        });
         let drain = self.drain.as_ref().map(|r| {
             r.as_ref()
                 .map(|d| {
                     let mut v = drain_json(d);
                     if let Some(c) = ok(&self.ceiling) {
-                        v["ratio_to_ceiling"] = json!(round3(d.rate / c.rate));
-                        v["steady_ratio_to_ceiling"] = json!(round3(d.steady_rate / c.rate));
+                        v["ratio_to_ceiling"] = json!(round3(d.rate / c.rate()));
+                        v["steady_ratio_to_ceiling"] = json!(round3(d.steady_rate / c.rate()));
                     }
                     v
                 })
@@ -592,7 +613,6 @@ impl Results {
         let producer = self.producer.as_ref().map(|r| {
             r.as_ref()
                 .map(|p| {
-                    let plain = p.rate("plain").unwrap_or(f64::NAN);
                     let plain_busy = p.rate("plain_relay_busy").unwrap_or(f64::NAN);
                     json!({
                         "producers": p.producers,
@@ -603,8 +623,9 @@ impl Results {
                             "tx_per_s": r.tx_per_s.round(),
                             "commits": r.commits,
                             "notifies": r.notifies,
-                            "ratio_to_plain": round3(r.tx_per_s / plain),
+                            "ratio_to_baseline": round3(r.tx_per_s / p.baseline_of(r.id)),
                         })).collect::<Vec<_>>(),
+                        "plain_baseline_tx_per_s": p.plain().round(),
                         "ratio_busy_to_plain_busy": round3(p.rate("outbox_relay_busy").unwrap_or(f64::NAN) / plain_busy),
                         "busy_throughout": p.busy_throughout,
                         "busy_backlog_events": p.busy_backlog,
@@ -646,14 +667,13 @@ impl Results {
                 .map(|sw| {
                     json!({
                         "events": sw.events,
-                        "ceilings": sw.ceilings.iter().map(ceiling_json).collect::<Vec<_>>(),
                         "points": sw.points.iter().map(|p| {
-                            let c = sw.ceilings.iter().find(|c| c.channels == p.channels).map_or(f64::NAN, |c| c.rate);
                             json!({
                                 "batch_size": p.batch_size,
                                 "channels": p.channels,
                                 "rate": p.drain.rate.round(),
-                                "ratio_to_ceiling": round3(p.drain.rate / c),
+                                "ceiling_rate": p.ceiling.rate.round(),
+                                "ratio_to_ceiling": round3(p.ratio()),
                                 "peak_rss_mib": round3(mb(p.drain.usage.peak_rss_kib)),
                             })
                         }).collect::<Vec<_>>(),
@@ -735,7 +755,54 @@ fn drain_json(d: &Drain) -> Value {
         "relay_rss_at_end_mib": round3(mb(d.usage.rss_kib)),
         "relay_cpu_s": round3(d.usage.cpu_s),
         "cpu": cpu_json(&d.cpu, d.events),
+        "postgres": pg_json(d),
     })
+}
+
+fn pg_json(d: &Drain) -> Value {
+    let p = &d.pg;
+    let per = |x: f64| round3(x * 100_000.0 / d.events as f64);
+    json!({
+        "claims": p.claim_calls,
+        "rows_per_claim": round3(d.events as f64 / p.claim_calls.max(1) as f64),
+        "claim_ms_total": round3(p.claim_ms),
+        "claim_ms_mean": round3(p.claim_ms / p.claim_calls.max(1) as f64),
+        "transactions": p.xact_commit,
+        "row_updates": p.tup_upd,
+        "hot_updates": p.tup_hot_upd,
+        "heap_blocks_read": p.heap_blks_read,
+        "heap_blocks_hit": p.heap_blks_hit,
+        "index_blocks_read": p.idx_blks_read,
+        "index_blocks_hit": p.idx_blks_hit,
+        "per_100k_events": {
+            "claim_s": per(p.claim_ms / 1000.0),
+            "transactions": per(p.xact_commit as f64),
+            "row_updates": per(p.tup_upd as f64),
+            "index_blocks_read": per(p.idx_blks_read as f64),
+            "index_blocks_hit": per(p.idx_blks_hit as f64),
+        },
+    })
+}
+
+/// One line on what Postgres did for a drain.
+fn pg_line(d: &Drain) -> String {
+    let p = &d.pg;
+    let per = |x: f64| x * 100_000.0 / d.events as f64;
+    format!(
+        "{} claims ({:.0} rows each, {:.1} ms each inside outbox_claim, {:.1} s per 100,000 events); \
+         {} transactions; {} row updates ({:.0}% HOT, {:.1} per event); index blocks per 100,000 events: \
+         {} read from outside shared_buffers, {} hit",
+        thousands(p.claim_calls as f64),
+        d.events as f64 / p.claim_calls.max(1) as f64,
+        p.claim_ms / p.claim_calls.max(1) as f64,
+        per(p.claim_ms / 1000.0),
+        thousands(p.xact_commit as f64),
+        thousands(p.tup_upd as f64),
+        100.0 * p.tup_hot_upd as f64 / p.tup_upd.max(1) as f64,
+        p.tup_upd as f64 / d.events as f64,
+        thousands(per(p.idx_blks_read as f64)),
+        thousands(per(p.idx_blks_hit as f64)),
+    )
 }
 
 fn cpu_json(c: &CpuSplit, events: u64) -> Value {

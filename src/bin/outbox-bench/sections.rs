@@ -144,6 +144,24 @@ pub async fn broker_ceiling(
     Ok(c)
 }
 
+/// The broker ceiling measured before and, when the drain ran, after it. The drain is
+/// compared with their mean, so a machine that got busier or quieter in between shows up
+/// as a spread between the two rather than as a wrong ratio.
+#[derive(Clone, Debug)]
+pub struct CeilingRuns {
+    pub runs: Vec<Ceiling>,
+}
+
+impl CeilingRuns {
+    pub fn rate(&self) -> f64 {
+        self.runs.iter().map(|c| c.rate).sum::<f64>() / self.runs.len().max(1) as f64
+    }
+
+    pub fn first(&self) -> &Ceiling {
+        &self.runs[0]
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Backlog drain (and 6. the relay's resources)
 
@@ -189,6 +207,8 @@ pub struct Drain {
     pub steady_rate: f64,
     pub usage: Usage,
     pub cpu: CpuSplit,
+    /// What Postgres counted for the bench database during the drain.
+    pub pg: pg::PgCounters,
     pub payload_bytes: f64,
 }
 
@@ -228,6 +248,7 @@ async fn drain_inner(
         "{}-drain-b{}-c{}",
         db.name, settings.batch_size, settings.channels
     );
+    let pg_before = db.pg_counters().await?;
     let before = Snapshot::take();
     let spawned_wall = SystemTime::now();
     let spawned = Instant::now();
@@ -265,6 +286,8 @@ async fn drain_inner(
     let cpu = CpuSplit::between(&before, &after, Some(relay.pid), &backends);
     let usage = relay.stop()?;
     marked?;
+    db.wait_alone().await?;
+    let pg = db.pg_counters().await?.minus(&pg_before);
 
     let (dispatched, parked) = db.settled_counts().await?;
     let depth = broker.depth().await?;
@@ -291,6 +314,7 @@ async fn drain_inner(
         },
         usage,
         cpu,
+        pg,
         payload_bytes,
     })
 }
@@ -477,6 +501,24 @@ pub struct ProducerCost {
 impl ProducerCost {
     pub fn rate(&self, id: &str) -> Option<f64> {
         self.runs.iter().find(|r| r.id == id).map(|r| r.tx_per_s)
+    }
+
+    /// The trigger-free baseline with the relay stopped: the mean of its first and last run.
+    pub fn plain(&self) -> f64 {
+        let v: Vec<f64> = ["plain", "plain_end"]
+            .iter()
+            .filter_map(|id| self.rate(id))
+            .collect();
+        v.iter().sum::<f64>() / v.len().max(1) as f64
+    }
+
+    /// What a run is compared with: the trigger-free table in the same relay state.
+    pub fn baseline_of(&self, id: &str) -> f64 {
+        if id == "outbox_relay_busy" {
+            self.rate("plain_relay_busy").unwrap_or(f64::NAN)
+        } else {
+            self.plain()
+        }
     }
 }
 
@@ -699,6 +741,16 @@ async fn producer_cost_inner(
     let busy_throughout = db.pending().await? > 0 && !db.wakeup_wanted().await?;
     relay.check_alive()?;
     relay.stop()?;
+    // The baseline again, so drift over the section shows (ratios use the mean of both).
+    runs.push(
+        run(
+            "plain_end",
+            "table without triggers, relay stopped (again)",
+            "outbox_plain",
+        )
+        .go(None)
+        .await?,
+    );
     Ok(ProducerCost {
         producers: s.producers,
         seconds: s.producer_secs,
@@ -808,18 +860,13 @@ impl Growth {
     }
 }
 
-/// The drain with `growth_rows` dispatched rows already in the table, against `empty`
-/// (the main drain of this run) or, when that was not run, an empty-table drain here.
-pub async fn growth(ctx: &Ctx, empty: Option<Drain>) -> Result<Growth> {
-    let empty = match empty {
-        Some(d) => d,
-        None => {
-            let (b, _) = prepare_backlog(ctx, ctx.s.events, 0).await?;
-            drain(ctx, b, &ctx.s.relay, false).await?
-        }
-    };
+/// The drain with `growth_rows` dispatched rows already in the table, then the same drain
+/// on an empty table right after it (back to back, so both see the same machine).
+pub async fn growth(ctx: &Ctx) -> Result<Growth> {
     let (backlog, history_s) = prepare_backlog(ctx, ctx.s.events, ctx.s.growth_rows).await?;
     let loaded = drain(ctx, backlog, &ctx.s.relay, false).await?;
+    let (backlog, _) = prepare_backlog(ctx, ctx.s.events, 0).await?;
+    let empty = drain(ctx, backlog, &ctx.s.relay, false).await?;
     Ok(Growth {
         history_rows: ctx.s.growth_rows,
         history_s,
@@ -835,27 +882,33 @@ pub async fn growth(ctx: &Ctx, empty: Option<Drain>) -> Result<Growth> {
 pub struct SweepPoint {
     pub batch_size: usize,
     pub channels: usize,
+    /// The broker ceiling with the same channel count, measured just before this drain.
+    pub ceiling: Ceiling,
     pub drain: Drain,
+}
+
+impl SweepPoint {
+    pub fn ratio(&self) -> f64 {
+        self.drain.rate / self.ceiling.rate
+    }
 }
 
 #[derive(Clone, Debug)]
 pub struct Sweep {
     pub events: u64,
-    pub ceilings: Vec<Ceiling>,
     pub points: Vec<SweepPoint>,
 }
 
-/// Drain rate for every batch size × channel count, with each channel count's ceiling.
+/// Drain rate for every batch size × channel count, each next to a fresh broker ceiling
+/// with the same channel count (measured seconds apart, so the ratio holds up even while
+/// the machine's load changes over the minutes a sweep takes).
 pub async fn sweep(ctx: &Ctx, bodies: Arc<Vec<String>>) -> Result<Sweep> {
     let s = &ctx.s;
     let mut out = Sweep {
         events: s.sweep_events,
-        ceilings: Vec::new(),
         points: Vec::new(),
     };
     for &channels in &s.sweep_channels {
-        out.ceilings
-            .push(broker_ceiling(ctx, bodies.clone(), s.sweep_events, channels).await?);
         for &batch_size in &s.sweep_batches {
             let settings = RelaySettings {
                 batch_size,
@@ -863,15 +916,17 @@ pub async fn sweep(ctx: &Ctx, bodies: Arc<Vec<String>>) -> Result<Sweep> {
                 ..s.relay.clone()
             };
             let (backlog, _) = prepare_backlog(ctx, s.sweep_events, 0).await?;
-            let d = drain(ctx, backlog, &settings, false).await?;
+            let ceiling = broker_ceiling(ctx, bodies.clone(), s.sweep_events, channels).await?;
+            let drain = drain(ctx, backlog, &settings, false).await?;
             eprintln!(
-                "outbox-bench: sweep batch {batch_size} channels {channels}: {:.0} events/s",
-                d.rate
+                "outbox-bench: sweep batch {batch_size} channels {channels}: {:.0} events/s, ceiling {:.0}",
+                drain.rate, ceiling.rate
             );
             out.points.push(SweepPoint {
                 batch_size,
                 channels,
-                drain: d,
+                ceiling,
+                drain,
             });
         }
     }

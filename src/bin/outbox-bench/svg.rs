@@ -1,6 +1,6 @@
 //! A line chart written as SVG by hand (a plotting crate would bring dozens of crates for
-//! one picture): drain rate against batch size, one line per channel count, with that
-//! channel count's broker ceiling as a dashed line in the same colour.
+//! one picture): drain rate against batch size, one line per channel count, with the
+//! broker ceiling measured next to each point as a dashed line in the same colour.
 
 use std::fmt::Write;
 
@@ -8,8 +8,8 @@ pub struct Series {
     pub label: String,
     /// (x category index, y) points; x positions are the chart's categories.
     pub points: Vec<(usize, f64)>,
-    /// A horizontal reference line (the broker ceiling for this series).
-    pub reference: Option<f64>,
+    /// A reference line drawn dashed (the broker ceiling measured next to each point).
+    pub reference: Vec<(usize, f64)>,
 }
 
 const COLOURS: [&str; 6] = [
@@ -30,7 +30,12 @@ pub fn line_chart(
     let plot_h = h - top - bottom;
     let y_max_data = series
         .iter()
-        .flat_map(|s| s.points.iter().map(|p| p.1).chain(s.reference))
+        .flat_map(|s| {
+            s.points
+                .iter()
+                .map(|p| p.1)
+                .chain(s.reference.iter().map(|p| p.1))
+        })
         .fold(0.0_f64, f64::max);
     let (y_max, step) = nice_axis(y_max_data);
     let x_of = |i: usize| {
@@ -101,12 +106,16 @@ pub fn line_chart(
     // Series and legend.
     for (k, ser) in series.iter().enumerate() {
         let colour = COLOURS[k % COLOURS.len()];
-        if let Some(r) = ser.reference {
-            let y = y_of(r);
+        if !ser.reference.is_empty() {
+            let pts: Vec<String> = ser
+                .reference
+                .iter()
+                .map(|(i, v)| format!("{:.1},{:.1}", x_of(*i), y_of(*v)))
+                .collect();
             let _ = writeln!(
                 s,
-                r#"<line x1="{left}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{colour}" stroke-dasharray="6 4" stroke-width="1.5"/>"#,
-                left + plot_w
+                r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-dasharray="6 4" stroke-width="1.5"/>"#,
+                pts.join(" ")
             );
         }
         let pts: Vec<String> = ser
@@ -137,7 +146,7 @@ pub fn line_chart(
             ly + 4.0,
             escape(&ser.label)
         );
-        if ser.reference.is_some() {
+        if !ser.reference.is_empty() {
             let _ = writeln!(
                 s,
                 r#"<line x1="{lx}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{colour}" stroke-dasharray="6 4" stroke-width="1.5"/><text x="{:.1}" y="{:.1}">broker ceiling</text>"#,
@@ -193,17 +202,17 @@ mod tests {
                 Series {
                     label: "1 channel".into(),
                     points: vec![(0, 1000.0), (1, 2000.0)],
-                    reference: Some(5000.0),
+                    reference: vec![(0, 5000.0), (1, 4800.0)],
                 },
                 Series {
                     label: "2 channels".into(),
                     points: vec![(0, 1500.0), (1, 2500.0)],
-                    reference: None,
+                    reference: Vec::new(),
                 },
             ],
         );
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert_eq!(svg.matches("<polyline").count(), 3);
         assert!(svg.contains("t &lt;1&gt;"));
     }
 
