@@ -228,6 +228,35 @@ impl Arrivals {
         (out, missing, early)
     }
 
+    /// Latency p50 (ms) per `window` of commit time, from the first commit in `range`:
+    /// shows whether the relay keeps up or falls further behind as the run goes on.
+    pub fn p50_by_window(&self, range: std::ops::Range<usize>, window: Duration) -> Vec<f64> {
+        let w = window.as_nanos().max(1) as u64;
+        let first = self.committed[range.clone()]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .filter(|c| *c != 0)
+            .min()
+            .unwrap_or(0);
+        let mut buckets: Vec<Vec<f64>> = Vec::new();
+        for n in range {
+            let c = self.committed[n].load(Ordering::Relaxed);
+            let a = self.arrived[n].load(Ordering::Relaxed);
+            if c == 0 || a == 0 {
+                continue;
+            }
+            let b = ((c - first) / w) as usize;
+            if buckets.len() <= b {
+                buckets.resize_with(b + 1, Vec::new);
+            }
+            buckets[b].push(a.saturating_sub(c) as f64 / 1e6);
+        }
+        buckets
+            .into_iter()
+            .map(|v| crate::stats::Summary::of(v).p50_ms)
+            .collect()
+    }
+
     /// Seconds between the first and the last commit recorded in `range`.
     pub fn commit_span_s(&self, range: std::ops::Range<usize>) -> f64 {
         let stamps = self.committed[range]
@@ -248,6 +277,8 @@ pub struct Ceiling {
     pub channels: usize,
     pub window: usize,
     pub body_bytes: f64,
+    /// Where the CPU went while publishing (set by the caller, which takes the snapshots).
+    pub cpu: crate::procfs::CpuSplit,
 }
 
 /// Publishes `n` messages with confirms as fast as the broker takes them (see the module
@@ -300,6 +331,7 @@ pub async fn ceiling(
         channels,
         window,
         body_bytes,
+        cpu: crate::procfs::CpuSplit::default(),
     })
 }
 

@@ -125,6 +125,9 @@ struct Args {
     /// Dispatched rows already in the table for the growth section.
     #[arg(long)]
     growth_rows: Option<u64>,
+    /// Rounds of (drain with history, drain of an empty table) in the growth section.
+    #[arg(long)]
+    growth_rounds: Option<usize>,
     /// Batch sizes for the sweep.
     #[arg(long, value_delimiter = ',')]
     sweep_batches: Vec<usize>,
@@ -185,6 +188,7 @@ impl Args {
             wakeup_samples: self.wakeup_samples.unwrap_or(if smoke { 10 } else { 200 }),
             wakeup_spacing: Duration::from_millis(if smoke { 20 } else { 100 }),
             growth_rows: size(self.growth_rows, 5_000_000, 20_000),
+            growth_rounds: self.growth_rounds.unwrap_or(if smoke { 1 } else { 2 }),
             sweep_batches: pick_usize(
                 &self.sweep_batches,
                 &[100, 250, 500, 1_000, 2_000],

@@ -229,6 +229,11 @@ pub struct PgCounters {
     pub idx_blks_hit: i64,
     pub claim_calls: i64,
     pub claim_ms: f64,
+    /// Blocks of the pending-rows index (the claim's scan) hit or read.
+    pub pending_idx_blks: i64,
+    /// Dead row versions in the table at the later reading (not a difference).
+    pub dead_tup: i64,
+    pub autovacuums: i64,
 }
 
 impl PgCounters {
@@ -243,6 +248,9 @@ impl PgCounters {
             idx_blks_hit: self.idx_blks_hit - before.idx_blks_hit,
             claim_calls: self.claim_calls - before.claim_calls,
             claim_ms: self.claim_ms - before.claim_ms,
+            pending_idx_blks: self.pending_idx_blks - before.pending_idx_blks,
+            dead_tup: self.dead_tup,
+            autovacuums: self.autovacuums - before.autovacuums,
         }
     }
 }
@@ -254,7 +262,10 @@ const PG_COUNTERS: &str = "SELECT
     coalesce((SELECT sum(idx_blks_read) FROM pg_statio_user_indexes i WHERE i.relid = t.relid), 0)::bigint,
     coalesce((SELECT sum(idx_blks_hit) FROM pg_statio_user_indexes i WHERE i.relid = t.relid), 0)::bigint,
     coalesce((SELECT calls FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0),
-    coalesce((SELECT total_time FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0)::float8
+    coalesce((SELECT total_time FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0)::float8,
+    coalesce((SELECT idx_blks_hit + idx_blks_read FROM pg_statio_user_indexes
+               WHERE indexrelname = 'outbox_events_pending'), 0),
+    t.n_dead_tup, t.autovacuum_count
   FROM pg_stat_user_tables t JOIN pg_statio_user_tables io USING (relid)
  WHERE t.relname = 'outbox_events'";
 
@@ -415,6 +426,9 @@ impl BenchDb {
             idx_blks_hit: r.get(6),
             claim_calls: r.get(7),
             claim_ms: r.get(8),
+            pending_idx_blks: r.get(9),
+            dead_tup: r.get(10),
+            autovacuums: r.get(11),
         })
     }
 

@@ -145,8 +145,12 @@ impl Results {
             peaks.push(d.usage.peak_rss_kib);
         }
         if let Some(g) = ok(&self.growth) {
-            peaks.push(g.loaded.usage.peak_rss_kib);
-            peaks.push(g.empty.usage.peak_rss_kib);
+            peaks.extend(
+                g.loaded
+                    .iter()
+                    .chain(&g.empty)
+                    .map(|d| d.usage.peak_rss_kib),
+            );
         }
         if let Some(s) = ok(&self.sweep) {
             peaks.extend(s.points.iter().map(|p| p.drain.usage.peak_rss_kib));
@@ -320,10 +324,26 @@ impl Results {
                             thousands(l.achieved_rate),
                             thousands(l.summary.count as f64),
                             if l.missing > 0 {
-                                format!(", {} NEVER ARRIVED", l.missing)
+                                format!(", {} not arrived 30 s after the last commit", l.missing)
                             } else {
                                 String::new()
                             }
+                        ),
+                    );
+                    let windows: Vec<String> =
+                        l.p50_by_5s.iter().map(|x| format!("{x:.0}")).collect();
+                    row(
+                        "3",
+                        "",
+                        "p50 per 5 s of the run (ms); Postgres",
+                        windows.join(" → "),
+                        format!(
+                            "{} claims, {:.1} ms and {:.0} pending-index blocks each; {} dead rows at the end, {} autovacuums",
+                            thousands(l.pg.claim_calls as f64),
+                            l.pg.claim_ms / l.pg.claim_calls.max(1) as f64,
+                            l.pg.pending_idx_blks as f64 / l.pg.claim_calls.max(1) as f64,
+                            thousands(l.pg.dead_tup as f64),
+                            l.pg.autovacuums
                         ),
                     );
                 }
@@ -370,7 +390,7 @@ impl Results {
                         "{} samples{}",
                         p.wakeup.count,
                         if p.wakeup_missing > 0 {
-                            format!(", {} NEVER ARRIVED", p.wakeup_missing)
+                            format!(", {} not arrived within 30 s", p.wakeup_missing)
                         } else {
                             String::new()
                         }
@@ -399,25 +419,38 @@ impl Results {
                         thousands(g.history_rows as f64),
                         g.history_s
                     ),
-                    format!("{} events/s", thousands(g.loaded.rate)),
                     format!(
-                        "{:.2} of empty table ({} events/s)",
+                        "{} events/s (rounds: {})",
+                        thousands(g.loaded_rate()),
+                        g.loaded
+                            .iter()
+                            .map(|d| thousands(d.rate))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    format!(
+                        "{:.2} of empty table ({} events/s; rounds: {})",
                         g.ratio(),
-                        thousands(g.empty.rate)
+                        thousands(g.empty_rate()),
+                        g.empty
+                            .iter()
+                            .map(|d| thousands(d.rate))
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ),
                 );
                 row(
                     "5",
                     "",
-                    "Postgres, empty table",
-                    pg_line(&g.empty),
+                    "Postgres, empty table (round 1)",
+                    pg_line(&g.empty[0]),
                     String::new(),
                 );
                 row(
                     "5",
                     "",
-                    "Postgres, with the dispatched rows",
-                    pg_line(&g.loaded),
+                    "Postgres, with the dispatched rows (round 1)",
+                    pg_line(&g.loaded[0]),
                     String::new(),
                 );
             }
@@ -447,8 +480,8 @@ impl Results {
                 "peak RSS / CPU per 100,000 events",
                 format!(
                     "{:.1} MiB / {:.2} s",
-                    mb(g.loaded.usage.peak_rss_kib),
-                    g.loaded.cpu_per_100k(g.loaded.cpu.relay)
+                    mb(g.loaded[0].usage.peak_rss_kib),
+                    g.loaded[0].cpu_per_100k(g.loaded[0].cpu.relay)
                 ),
                 String::new(),
             );
@@ -457,7 +490,7 @@ impl Results {
 
         if let Some(d) = ok(&self.drain) {
             let _ = writeln!(o, "Where the CPU went during the drain (2):\n");
-            o.push_str(&cpu_table(d));
+            o.push_str(&cpu_table(d, ok(&self.ceiling).map(CeilingRuns::first)));
             o.push('\n');
             let _ = writeln!(o, "Postgres during the drain (2): {}.\n", pg_line(d));
         }
@@ -606,6 +639,15 @@ impl Results {
                         "latency": l.summary.json(),
                         "missing": l.missing,
                         "arrived_before_commit_returned": l.arrived_before_commit_returned,
+                        "p50_ms_by_5s": l.p50_by_5s.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+                        "postgres": {
+                            "claims": l.pg.claim_calls,
+                            "claim_ms_mean": round3(l.pg.claim_ms / l.pg.claim_calls.max(1) as f64),
+                            "pending_index_blocks_per_claim": round3(l.pg.pending_idx_blks as f64 / l.pg.claim_calls.max(1) as f64),
+                            "transactions": l.pg.xact_commit,
+                            "dead_tuples_at_end": l.pg.dead_tup,
+                            "autovacuums": l.pg.autovacuums,
+                        },
                     })).collect::<Vec<_>>() })
                 })
                 .map_err(Clone::clone)
@@ -641,8 +683,11 @@ impl Results {
                     json!({
                         "history_rows": g.history_rows,
                         "history_insert_s": round3(g.history_s),
-                        "empty": drain_json(&g.empty),
-                        "loaded": drain_json(&g.loaded),
+                        "rounds": g.loaded.len(),
+                        "loaded_rate": g.loaded_rate().round(),
+                        "empty_rate": g.empty_rate().round(),
+                        "empty": g.empty.iter().map(drain_json).collect::<Vec<_>>(),
+                        "loaded": g.loaded.iter().map(drain_json).collect::<Vec<_>>(),
                         "ratio": round3(g.ratio()),
                     })
                 })
@@ -732,6 +777,7 @@ impl Results {
 
 fn ceiling_json(c: &Ceiling) -> Value {
     json!({
+        "cpu": cpu_json(&c.cpu, c.messages),
         "messages": c.messages,
         "seconds": round3(c.seconds),
         "rate": c.rate.round(),
@@ -827,38 +873,68 @@ fn cpu_json(c: &CpuSplit, events: u64) -> Value {
     })
 }
 
-fn cpu_table(d: &Drain) -> String {
+/// Where the CPU went during the drain, next to the same split while the broker ceiling
+/// was measured (per 100,000 messages): what the relay and Postgres add to the broker's work.
+fn cpu_table(d: &Drain, ceiling: Option<&Ceiling>) -> String {
     let c = &d.cpu;
-    let capacity = c.wall_s * std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let capacity = c.wall_s * cores;
+    let per = |v: f64, n: u64| v * 100_000.0 / n.max(1) as f64;
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "| process | CPU s | CPU s per 100,000 events | share of machine ({:.1} s wall) |",
+        "| process | drain (2): CPU s | per 100,000 events | share of the machine ({:.1} s x {cores} cores) | ceiling (1): CPU s per 100,000 messages |",
         c.wall_s
     );
-    let _ = writeln!(o, "|---|---|---|---|");
-    for (name, v) in [
-        ("outbox-relay", c.relay),
+    let _ = writeln!(o, "|---|---|---|---|---|");
+    let cc = ceiling.map(|x| (&x.cpu, x.messages));
+    for (name, v, cv) in [
+        ("outbox-relay", c.relay, cc.map(|(x, _)| x.relay)),
         (
             "postgres backends of the bench database",
             c.postgres_bench_db,
+            cc.map(|(x, _)| x.postgres_bench_db),
         ),
-        ("postgres background and other databases", c.postgres_other),
-        ("rabbitmq (beam.smp)", c.rabbitmq),
-        ("outbox-bench itself (polling)", c.bench),
-        ("everything else (other users of the machine)", c.other),
+        (
+            "postgres background and other databases",
+            c.postgres_other,
+            cc.map(|(x, _)| x.postgres_other),
+        ),
+        (
+            "rabbitmq (beam.smp)",
+            c.rabbitmq,
+            cc.map(|(x, _)| x.rabbitmq),
+        ),
+        (
+            "outbox-bench itself (polling; publishing in (1))",
+            c.bench,
+            cc.map(|(x, _)| x.bench),
+        ),
+        (
+            "everything else (other users of the machine)",
+            c.other,
+            cc.map(|(x, _)| x.other),
+        ),
     ] {
+        let ceiling_cell = match (cv, cc) {
+            (Some(v), Some((_, n))) => format!("{:.2}", per(v, n)),
+            _ => "-".into(),
+        };
         let _ = writeln!(
             o,
-            "| {name} | {v:.2} | {:.2} | {:.0}% |",
+            "| {name} | {v:.2} | {:.2} | {:.0}% | {ceiling_cell} |",
             d.cpu_per_100k(v),
             100.0 * v / capacity.max(1e-9)
         );
     }
     let _ = writeln!(
         o,
-        "| machine busy | | | {:.0}% |",
-        100.0 * c.machine_busy_frac
+        "| machine busy | | | {:.0}% | {} |",
+        100.0 * c.machine_busy_frac,
+        cc.map_or("-".into(), |(x, _)| format!(
+            "{:.0}% busy",
+            100.0 * x.machine_busy_frac
+        ))
     );
     o
 }

@@ -47,6 +47,7 @@ pub struct Settings {
     pub wakeup_samples: usize,
     pub wakeup_spacing: Duration,
     pub growth_rows: u64,
+    pub growth_rounds: usize,
     pub sweep_batches: Vec<usize>,
     pub sweep_channels: Vec<usize>,
     pub sweep_events: u64,
@@ -123,6 +124,7 @@ pub async fn broker_ceiling(
     channels: usize,
 ) -> Result<Ceiling> {
     let broker = BenchBroker::new(&ctx.amqp, &ctx.tag("ceiling")).await?;
+    let before = Snapshot::take();
     let result = amqp::ceiling(
         &ctx.amqp,
         &broker,
@@ -133,11 +135,13 @@ pub async fn broker_ceiling(
         ctx.s.relay.confirm_window,
     )
     .await;
+    let after = Snapshot::take();
     // Every message confirmed must be in the bound queue.
     let depth = broker.depth().await.unwrap_or(0);
     broker.purge().await.ok();
     broker.delete().await;
-    let c = result?;
+    let mut c = result?;
+    c.cpu = CpuSplit::between(&before, &after, None, &HashSet::new());
     if u64::from(depth) != n {
         bail!("broker confirmed {n} messages but the queue holds {depth}");
     }
@@ -226,11 +230,22 @@ pub async fn drain(
     settings: &RelaySettings,
     profile: bool,
 ) -> Result<Drain> {
+    let result = drain_keep(ctx, &backlog, settings, profile).await;
+    ctx.admin.drop_db(&backlog.db.name).await;
+    result
+}
+
+/// [`drain`] that keeps the database (its rows stay, dispatched).
+async fn drain_keep(
+    ctx: &Ctx,
+    backlog: &Backlog,
+    settings: &RelaySettings,
+    profile: bool,
+) -> Result<Drain> {
     let broker = BenchBroker::new(&ctx.amqp, &ctx.tag("drain")).await?;
-    let result = drain_inner(ctx, &backlog, &broker, settings, profile).await;
+    let result = drain_inner(ctx, backlog, &broker, settings, profile).await;
     broker.purge().await.ok();
     broker.delete().await;
-    ctx.admin.drop_db(&backlog.db.name).await;
     result
 }
 
@@ -332,6 +347,10 @@ pub struct Latency {
     pub missing: usize,
     pub arrived_before_commit_returned: usize,
     pub warmup_events: usize,
+    /// p50 per 5 s of the run: a rising series means the relay fell behind.
+    pub p50_by_5s: Vec<f64>,
+    /// What Postgres counted from the first producer commit to the relay's exit.
+    pub pg: pg::PgCounters,
 }
 
 /// Producers commit one event per transaction at `rate` for the configured time; the
@@ -395,6 +414,7 @@ async fn latency_inner(
         .await?;
     }
 
+    let pg_before = db.pg_counters().await?;
     let result = open_loop(
         db,
         ctx.s.latency_producers,
@@ -418,6 +438,8 @@ async fn latency_inner(
     if let Err(e) = arrived {
         eprintln!("outbox-bench: {e}; reporting the missing events");
     }
+    db.wait_alone().await?;
+    let pg = db.pg_counters().await?.minus(&pg_before);
     let (samples, missing, early) = arrivals.latencies(warmup..total);
     let span = arrivals.commit_span_s(warmup..total);
     Ok(Latency {
@@ -433,6 +455,8 @@ async fn latency_inner(
         missing,
         arrived_before_commit_returned: early,
         warmup_events: warmup,
+        p50_by_5s: arrivals.p50_by_window(warmup..total, Duration::from_secs(5)),
+        pg,
     })
 }
 
@@ -850,29 +874,66 @@ async fn closed_loop(
 pub struct Growth {
     pub history_rows: u64,
     pub history_s: f64,
-    pub empty: Drain,
-    pub loaded: Drain,
+    /// Drains with the dispatched rows in the table, one per round.
+    pub loaded: Vec<Drain>,
+    /// Drains of an empty table, each right after a loaded one.
+    pub empty: Vec<Drain>,
+}
+
+fn mean_rate(d: &[Drain]) -> f64 {
+    d.iter().map(|d| d.rate).sum::<f64>() / d.len().max(1) as f64
 }
 
 impl Growth {
+    pub fn loaded_rate(&self) -> f64 {
+        mean_rate(&self.loaded)
+    }
+
+    pub fn empty_rate(&self) -> f64 {
+        mean_rate(&self.empty)
+    }
+
     pub fn ratio(&self) -> f64 {
-        self.loaded.rate / self.empty.rate
+        self.loaded_rate() / self.empty_rate()
     }
 }
 
-/// The drain with `growth_rows` dispatched rows already in the table, then the same drain
-/// on an empty table right after it (back to back, so both see the same machine).
+/// Rounds of: the drain with `growth_rows` dispatched rows already in the table (a new
+/// backlog on the same table each round), then the same drain on an empty table right
+/// after it. Alternating and averaging keeps a change in the machine's load from passing
+/// for an effect of the table's size.
 pub async fn growth(ctx: &Ctx) -> Result<Growth> {
-    let (backlog, history_s) = prepare_backlog(ctx, ctx.s.events, ctx.s.growth_rows).await?;
-    let loaded = drain(ctx, backlog, &ctx.s.relay, false).await?;
-    let (backlog, _) = prepare_backlog(ctx, ctx.s.events, 0).await?;
-    let empty = drain(ctx, backlog, &ctx.s.relay, false).await?;
-    Ok(Growth {
-        history_rows: ctx.s.growth_rows,
-        history_s,
-        empty,
-        loaded,
-    })
+    let s = &ctx.s;
+    let (mut big, history_s) = prepare_backlog(ctx, s.events, s.growth_rows).await?;
+    let result = async {
+        let mut out = Growth {
+            history_rows: s.growth_rows,
+            history_s,
+            loaded: Vec::new(),
+            empty: Vec::new(),
+        };
+        for round in 0..s.growth_rounds.max(1) {
+            if round > 0 {
+                big.after_id = big.db.max_id().await?;
+                let first = s.growth_rows + round as u64 * s.events;
+                big.db.insert_backlog(first, s.events, s.keys).await?;
+            }
+            out.loaded
+                .push(drain_keep(ctx, &big, &s.relay, false).await?);
+            let (empty, _) = prepare_backlog(ctx, s.events, 0).await?;
+            out.empty.push(drain(ctx, empty, &s.relay, false).await?);
+            eprintln!(
+                "outbox-bench: growth round {}: {:.0} events/s with history, {:.0} without",
+                round + 1,
+                out.loaded[round].rate,
+                out.empty[round].rate
+            );
+        }
+        Ok::<_, anyhow::Error>(out)
+    }
+    .await;
+    ctx.admin.drop_db(&big.db.name).await;
+    result
 }
 
 // ---------------------------------------------------------------------------------------
