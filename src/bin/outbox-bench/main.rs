@@ -257,6 +257,25 @@ fn relay_bin(args: &Args) -> Result<PathBuf> {
         let mut cmd = std::process::Command::new(cargo);
         cmd.current_dir(dir)
             .args(["build", "--bin", "outbox-relay"]);
+        // Cargo gives the programs it runs the bench package's own variables. Build
+        // scripts (ring's) watch some of them with rerun-if-env-changed, so passing them on
+        // would rebuild dependencies here and again at the next plain `cargo build`.
+        for (name, _) in std::env::vars_os() {
+            let Some(name) = name.to_str() else { continue };
+            if name.starts_with("CARGO_PKG_")
+                || [
+                    "CARGO_MANIFEST_DIR",
+                    "CARGO_MANIFEST_PATH",
+                    "CARGO_MANIFEST_LINKS",
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                ]
+                .contains(&name)
+            {
+                cmd.env_remove(name);
+            }
+        }
         match profile {
             "debug" => {}
             "release" => {
