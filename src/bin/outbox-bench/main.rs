@@ -417,7 +417,8 @@ async fn run(args: Args) -> Result<bool> {
             .as_ref()
             .and_then(|d| d.as_ref().ok())
             .map_or(10_000.0, |d| d.rate.max(1_000.0));
-        let busy_secs = 2.0 * (s.producer_secs + s.producer_warmup_secs) + 10.0;
+        let slack = if s.smoke { 2.0 } else { 10.0 };
+        let busy_secs = 2.0 * (s.producer_secs + s.producer_warmup_secs) + slack;
         let backlog = ((rate * busy_secs * 1.5) as u64).clamp(2_000, 1_000_000);
         results.producer = outcome(
             "producer cost",
