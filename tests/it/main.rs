@@ -3,6 +3,7 @@
 
 mod support;
 
+mod bench_smoke;
 mod consumer;
 mod dashboard;
 mod demo;
