@@ -88,17 +88,22 @@ $$;
 -- Claim the next chunk of this relay's rows, numbering each key's new rows.
 --
 -- Scans up to p_limit pending, available rows of the leased partitions with id > p_after
--- (a cursor within one pass; every pass starts again from 0, so rows that commit late
--- with a lower id are found by the next pass). For each key seen, it returns a prefix of
--- that key's pending rows in publish order (rows already numbered by seq, then new rows
--- by id), at most p_per_key, so a key's row is never returned without the rows that must
--- be published before it. New rows get the key's next seq numbers here, committed before
--- anything is published, so a row published again carries the same seq.
+-- (the relay's cursor; the relay sweeps again from 0 every poll interval, so a row that
+-- commits late with a lower id is found by the next sweep: there is no high-water mark),
+-- plus the keys the relay names in p_key_types/p_key_ids (keys whose earlier rows it has
+-- published and that may have more). For each key it returns a prefix of that key's
+-- pending rows in publish order (rows already numbered by seq, then new rows by id), so a
+-- key's row is never returned without the rows that must be published before it. The
+-- prefix is shallow when many keys are waiting (p_limit spread over them, at most
+-- p_per_key), so one claim fills the relay's window across many keys, and deep for a hot
+-- key. New rows get the key's next seq numbers here, committed before anything is
+-- published, so a row published again carries the same seq.
 --
--- The first row returned is a header (id IS NULL) carrying the pass cursor (scanned_to)
--- and how many candidates the scan found (scanned). Bodies of rows whose payload text is
--- larger than p_max_message_bytes come back NULL (the relay parks them). Rows are cut so
--- that the bodies returned stay within p_max_bytes (at least one row is returned).
+-- The first row returned is a header (id IS NULL) carrying where the next claim should
+-- start (scanned_to), how many candidates the scan found (scanned; fewer than p_limit means
+-- it reached the end) and the prefix depth used (per_key). Bodies of rows whose payload text
+-- is larger than p_max_message_bytes come back NULL (the relay parks them). Rows are cut
+-- so that the bodies returned stay within p_max_bytes (at least one row is returned).
 CREATE FUNCTION outbox_claim(
     p_relay text,
     p_after bigint,
@@ -106,7 +111,9 @@ CREATE FUNCTION outbox_claim(
     p_per_key integer,
     p_block_parked_keys boolean,
     p_max_message_bytes integer,
-    p_max_bytes bigint
+    p_max_bytes bigint,
+    p_key_types text[] DEFAULT '{}',
+    p_key_ids text[] DEFAULT '{}'
 ) RETURNS TABLE (
     id bigint,
     event_id uuid,
@@ -125,7 +132,8 @@ CREATE FUNCTION outbox_claim(
     seq bigint,
     partition integer,
     scanned_to bigint,
-    scanned integer
+    scanned integer,
+    per_key integer
 )
 LANGUAGE plpgsql SET search_path FROM CURRENT
 AS $$
@@ -138,6 +146,7 @@ DECLARE
     v_types   text[];
     v_ids     text[];
     v_firsts  bigint[];
+    v_per_key integer;
     v_picked  bigint[];
     v_cut     bigint;
 BEGIN
@@ -149,11 +158,13 @@ BEGIN
     IF v_owned IS NULL THEN
         RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                             NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
-                            NULL::integer, p_after, 0;
+                            NULL::integer, p_after, 0, 0;
         RETURN;
     END IF;
     v_all := cardinality(v_owned) = 64;
 
+    -- Keys to look at: those the relay named (first), then those of the candidate rows in
+    -- order of their oldest candidate.
     WITH cand AS (
         SELECT e.id, e.aggregate_type, e.aggregate_id
           FROM outbox_events e
@@ -163,10 +174,16 @@ BEGIN
            AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (v_owned))
          ORDER BY e.id
          LIMIT p_limit
+    ), named AS (
+        SELECT n.aggregate_type, n.aggregate_id, 0::bigint AS first_id
+          FROM unnest(p_key_types, p_key_ids) AS n(aggregate_type, aggregate_id)
+         WHERE v_all OR outbox_partition_of(n.aggregate_type, n.aggregate_id) = ANY (v_owned)
     ), keys AS (
-        SELECT c.aggregate_type, c.aggregate_id, min(c.id) AS first_id
-          FROM cand c
-         GROUP BY c.aggregate_type, c.aggregate_id
+        SELECT u.aggregate_type, u.aggregate_id, min(u.first_id) AS first_id
+          FROM (SELECT c.aggregate_type, c.aggregate_id, c.id AS first_id FROM cand c
+                UNION ALL
+                SELECT * FROM named) u
+         GROUP BY u.aggregate_type, u.aggregate_id
     )
     SELECT (SELECT max(c.id) FROM cand c),
            (SELECT count(*) FROM cand c),
@@ -181,8 +198,11 @@ BEGIN
                           AND x.aggregate_id = k.aggregate_id
                           AND x.parked_at IS NOT NULL);
 
-    -- Each key's prefix, keys in order of their oldest candidate. Keys that do not fit in
-    -- p_limit rows are left for the next claim: the cursor stops before the first of them.
+    -- Spread p_limit over the keys waiting: shallow prefixes for many keys, deep for few.
+    v_per_key := greatest(1, least(p_per_key, ceil(p_limit::numeric / greatest(coalesce(cardinality(v_types), 0), 1))::integer));
+
+    -- Each key's prefix, keys in order. Keys that do not fit in p_limit rows are left for
+    -- the next claim: the cursor stops before the first candidate of the first such key.
     WITH q AS (
         SELECT k.ord, k.first_id, x.id, x.seq
           FROM unnest(v_types, v_ids, v_firsts) WITH ORDINALITY AS k(aggregate_type, aggregate_id, first_id, ord)
@@ -194,12 +214,12 @@ BEGIN
                   AND e.dispatched_at IS NULL AND e.parked_at IS NULL
                   AND e.available_at <= now()
                 ORDER BY e.seq NULLS LAST, e.id
-                LIMIT p_per_key) x
+                LIMIT v_per_key) x
     ), n AS (
         SELECT q.*, row_number() OVER (ORDER BY q.ord, q.seq NULLS LAST, q.id) AS n FROM q
     )
     SELECT array_agg(n.id ORDER BY n.n) FILTER (WHERE n.n <= p_limit),
-           min(n.first_id) FILTER (WHERE n.n > p_limit)
+           min(n.first_id) FILTER (WHERE n.n > p_limit AND n.first_id > 0)
       INTO v_picked, v_cut
       FROM n;
     IF v_cut IS NOT NULL THEN
@@ -227,7 +247,7 @@ BEGIN
 
     RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                         NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
-                        NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0);
+                        NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0), v_per_key;
 
     RETURN QUERY
     WITH r AS (
@@ -250,7 +270,7 @@ BEGIN
     SELECT s.id, s.event_id, s.aggregate_type, s.aggregate_id, s.event_type, s.routing_key,
            CASE WHEN s.body_bytes > p_max_message_bytes THEN NULL ELSE s.body END,
            s.body_bytes, s.headers, s.traceparent, s.tracestate, s.created_epoch, s.created_text,
-           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer
+           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer
       FROM sized s
      WHERE s.ord = 1 OR s.running <= p_max_bytes
      ORDER BY s.ord;

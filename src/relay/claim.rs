@@ -11,6 +11,7 @@ use std::sync::Arc;
 use deadpool_postgres::Pool;
 use uuid::Uuid;
 
+use super::hand::Key;
 use super::publish::Acked;
 use crate::db::{DbError, deadline};
 
@@ -64,10 +65,12 @@ impl ClaimedRow {
 /// What one claim call found.
 #[derive(Debug)]
 pub struct Claimed {
-    /// Where the next claim of this pass starts.
+    /// Where the next claim continues from.
     pub scanned_to: i64,
-    /// Candidate rows the scan looked at; fewer than the limit means the pass is complete.
+    /// Candidate rows the scan looked at; fewer than the limit means it reached the end.
     pub scanned: usize,
+    /// How many rows per key the claim took at most (a key that got this many may have more).
+    pub per_key: usize,
     pub rows: Vec<ClaimedRow>,
 }
 
@@ -81,9 +84,12 @@ pub struct ClaimRequest<'a> {
     pub block_parked_keys: bool,
     pub max_message_bytes: usize,
     pub max_bytes: usize,
+    /// Keys to continue whatever the cursor: their earlier rows were published and more
+    /// may be waiting.
+    pub keys: &'a [Key],
 }
 
-const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7)";
+const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
 pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbError> {
     let client = deadline(pool.get()).await?;
@@ -92,6 +98,8 @@ pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbErro
     let per_key = i32::try_from(req.per_key).unwrap_or(i32::MAX);
     let max_message = i32::try_from(req.max_message_bytes).unwrap_or(i32::MAX);
     let max_bytes = i64::try_from(req.max_bytes).unwrap_or(i64::MAX);
+    let key_types: Vec<&str> = req.keys.iter().map(|k| k.aggregate_type.as_str()).collect();
+    let key_ids: Vec<&str> = req.keys.iter().map(|k| k.aggregate_id.as_str()).collect();
     let rows = deadline(client.query(
         &stmt,
         &[
@@ -102,40 +110,46 @@ pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbErro
             &req.block_parked_keys,
             &max_message,
             &max_bytes,
+            &key_types,
+            &key_ids,
         ],
     ))
     .await?;
     let mut out = Claimed {
         scanned_to: req.after,
         scanned: 0,
+        per_key: req.per_key,
         rows: Vec::with_capacity(rows.len()),
     };
+    // Columns by position (the order of outbox_claim's RETURNS TABLE): reading by name
+    // costs a string search per column per row.
     for row in rows {
-        let id: Option<i64> = row.get("id");
+        let id: Option<i64> = row.get(0);
         let Some(id) = id else {
-            out.scanned_to = row.get::<_, Option<i64>>("scanned_to").unwrap_or(req.after);
-            out.scanned = row.get::<_, Option<i32>>("scanned").unwrap_or(0).max(0) as usize;
+            out.scanned_to = row.get::<_, Option<i64>>(16).unwrap_or(req.after);
+            out.scanned = row.get::<_, Option<i32>>(17).unwrap_or(0).max(0) as usize;
+            out.per_key = row.get::<_, Option<i32>>(18).unwrap_or(1).max(1) as usize;
             continue;
         };
-        let body: Option<String> = row.get("body");
-        let body_bytes: i32 = row.get("body_bytes");
-        let partition: i32 = row.get("partition");
+        let body: Option<String> = row.get(6);
+        let body_bytes: i32 = row.get(7);
+        let partition: i32 = row.get(15);
         out.rows.push(ClaimedRow {
             id,
-            event_id: row.get("event_id"),
-            aggregate_type: row.get("aggregate_type"),
-            aggregate_id: row.get("aggregate_id"),
-            event_type: row.get("event_type"),
-            routing_key: row.get("routing_key"),
+            event_id: row.get(1),
+            aggregate_type: row.get(2),
+            aggregate_id: row.get(3),
+            event_type: row.get(4),
+            routing_key: row.get(5),
             body: body.map(Arc::from),
             body_bytes: body_bytes.max(0) as usize,
-            headers: row.get("headers"),
-            traceparent: row.get("traceparent"),
-            tracestate: row.get("tracestate"),
-            created_epoch: row.get("created_epoch"),
-            created_text: row.get("created_text"),
-            attempts: row.get("attempts"),
-            seq: row.get("seq"),
+            headers: row.get(8),
+            traceparent: row.get(9),
+            tracestate: row.get(10),
+            created_epoch: row.get(11),
+            created_text: row.get(12),
+            attempts: row.get(13),
+            seq: row.get(14),
             partition: partition as u8,
         });
     }

@@ -58,6 +58,16 @@ struct KeyQueue {
     maybe_more: bool,
 }
 
+/// What a claim's rows did to the hand.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Added {
+    /// Rows new to the hand.
+    pub rows: usize,
+    /// Keys whose part of the claim was not (fully) added because a row of theirs left the
+    /// hand while the claim ran: claim them again.
+    pub stopped: Vec<Key>,
+}
+
 /// What the engine should do after a key's head settled.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Released {
@@ -117,7 +127,7 @@ impl Hand {
     /// Adds the rows a claim returned (each key's rows in publish order), skipping rows
     /// already held or that left the hand while the claim ran. Returns how many were new.
     /// `full_prefix` lists keys for which the claim returned as many rows as it could.
-    pub fn claim_returned(&mut self, rows: Vec<ClaimedRow>, full_prefix: &HashSet<Key>) -> usize {
+    pub fn claim_returned(&mut self, rows: Vec<ClaimedRow>, full_prefix: &HashSet<Key>) -> Added {
         let filter = self.claim_filter.take().unwrap_or_default();
         let mut added = 0;
         // Keys whose part of this result must not be added (any further).
@@ -171,7 +181,10 @@ impl Hand {
                 q.maybe_more = true;
             }
         }
-        added
+        Added {
+            rows: added,
+            stopped: stopped.into_iter().collect(),
+        }
     }
 
     /// The next row to publish whose partition `sendable` allows, marking it in flight.
@@ -416,7 +429,8 @@ mod tests {
             hand.claim_returned(
                 vec![row(1, "a", 1), row(2, "a", 2), row(3, "b", 1)],
                 &none()
-            ),
+            )
+            .rows,
             3
         );
         let first = hand.next_ready(|_| true).unwrap().id;
@@ -441,7 +455,8 @@ mod tests {
         // The mark commits while the claim runs: the claim's snapshot may still see row 1.
         hand.marked([(1, 0)]);
         assert_eq!(
-            hand.claim_returned(vec![row(1, "a", 1), row(2, "a", 2)], &none()),
+            hand.claim_returned(vec![row(1, "a", 1), row(2, "a", 2)], &none())
+                .rows,
             1
         );
         assert_eq!(hand.rows(), 1);
@@ -457,13 +472,12 @@ mod tests {
         hand.claim_started();
         hand.drop_partition(0); // lease lapsed locally
         // The claim's snapshot still shows row 5 pending, and row 6 behind it.
-        assert_eq!(
-            hand.claim_returned(
-                vec![row(5, "a", 5), row(6, "a", 6), row(7, "b", 1)],
-                &none()
-            ),
-            1
+        let added = hand.claim_returned(
+            vec![row(5, "a", 5), row(6, "a", 6), row(7, "b", 1)],
+            &none(),
         );
+        assert_eq!(added.rows, 1);
+        assert_eq!(added.stopped, vec![key("a")], "key a is asked for again");
         assert_eq!(hand.next_ready(|_| true).unwrap().id, 7);
         assert!(
             hand.next_ready(|_| true).is_none(),
@@ -471,7 +485,8 @@ mod tests {
         );
         hand.claim_started();
         assert_eq!(
-            hand.claim_returned(vec![row(5, "a", 5), row(6, "a", 6)], &none()),
+            hand.claim_returned(vec![row(5, "a", 5), row(6, "a", 6)], &none())
+                .rows,
             2
         );
         assert_eq!(hand.next_ready(|_| true).unwrap().id, 5);
@@ -504,7 +519,7 @@ mod tests {
         hand.claim_started();
         hand.claim_returned(vec![row(6, "a", 6)], &none());
         hand.claim_started();
-        assert_eq!(hand.claim_returned(vec![row(5, "a", 5)], &none()), 0);
+        assert_eq!(hand.claim_returned(vec![row(5, "a", 5)], &none()).rows, 0);
     }
 
     #[test]

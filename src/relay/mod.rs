@@ -209,9 +209,13 @@ pub fn retry_delay(attempts: i32, min: Duration, max: Duration) -> Duration {
         .min(max)
 }
 
-/// Rows fetched in one claim that mark the relay as busy: it turns the insert wake-up off
-/// and polls back to back until a poll comes back empty.
-const BUSY_CLAIM_ROWS: usize = 64;
+/// New rows in one claim that mark the relay as busy: rows arrive faster than a NOTIFY per
+/// transaction is worth; it turns the insert wake-up off and polls back to back.
+const BUSY_CLAIM_ROWS: usize = 8;
+/// Busy and a poll came back empty: the next one after this gap.
+const BUSY_POLL_GAP: Duration = Duration::from_millis(5);
+/// Busy polls empty for this long: idle again (the wake-up goes back on).
+const IDLE_AFTER: Duration = Duration::from_millis(50);
 /// Most rows of one key per claim.
 const MAX_PER_KEY: usize = 64;
 
@@ -225,7 +229,7 @@ pub async fn run(
     run_as(deps, config, Identity::of_this_process(), shutdown).await
 }
 
-const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint)') IS NOT NULL";
+const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint,text[],text[])') IS NOT NULL";
 
 /// [`run`] with an explicit identity (tests run several relays in one process).
 pub async fn run_as(
@@ -315,7 +319,6 @@ enum Done {
 
 struct ClaimMeta {
     limit: usize,
-    per_key: usize,
 }
 
 #[derive(Debug)]
@@ -325,12 +328,19 @@ struct HeldLease {
     releasing: bool,
 }
 
-/// A claim pass: chunks with a moving cursor until the scan comes back short; every pass
-/// starts again from the first pending row (no high-water mark across passes).
+/// Where claims read. Claims continue from a cursor (cheap: only rows not seen yet), and
+/// every poll tick, after gaining partitions and after a failed claim the next claim sweeps
+/// again from the first pending row, so a row that committed late with a lower id is found
+/// within one poll interval (no high-water mark on id).
 #[derive(Debug, Default)]
 struct Pass {
     cursor: i64,
+    /// Claim as soon as possible.
     wanted: bool,
+    /// The next claim starts from the first pending row.
+    sweep: bool,
+    /// Busy polling: the next claim waits until then.
+    not_before: Option<Instant>,
 }
 
 /// When an operation that failed may run again.
@@ -405,6 +415,13 @@ struct Engine {
     notified: bool,
     /// The last database round trip failed.
     pg_down: bool,
+    /// Rows keep coming: the relay polls back to back with the insert wake-up off.
+    busy: bool,
+    /// Busy, and claims have come back empty since then.
+    empty_since: Option<Instant>,
+    /// Keys whose held rows all went out while more of theirs may be pending: the next
+    /// claim asks for them by name, wherever the cursor is.
+    continue_keys: HashSet<Key>,
 }
 
 impl Engine {
@@ -431,6 +448,8 @@ impl Engine {
             pass: Pass {
                 cursor: 0,
                 wanted: true,
+                sweep: true,
+                not_before: None,
             },
             claim_busy: false,
             claim_retry: Retry::new("claim"),
@@ -450,6 +469,9 @@ impl Engine {
             listen_up: false,
             notified: false,
             pg_down: false,
+            busy: false,
+            empty_since: None,
+            continue_keys: HashSet::new(),
         }
     }
 
@@ -542,6 +564,7 @@ impl Engine {
         }
         if self.pass.wanted {
             consider(self.claim_retry.not_before);
+            consider(self.pass.not_before);
         }
         if !self.marks.is_empty() {
             consider(self.mark_retry.not_before);
@@ -691,6 +714,7 @@ impl Engine {
             || self.session.is_none()
             || self.leases.is_empty()
             || !self.claim_retry.ready(now)
+            || self.pass.not_before.is_some_and(|t| t > now)
         {
             return;
         }
@@ -709,10 +733,25 @@ impl Engine {
         let per_key = MAX_PER_KEY.min(limit);
         self.claim_busy = true;
         self.pass.wanted = false;
+        self.pass.not_before = None;
+        let after = if std::mem::take(&mut self.pass.sweep) {
+            0
+        } else {
+            self.pass.cursor
+        };
+        // At most a quarter of the claim goes to keys asked for by name.
+        let named: Vec<Key> = self
+            .continue_keys
+            .iter()
+            .take((limit / 4).max(1))
+            .cloned()
+            .collect();
+        for k in &named {
+            self.continue_keys.remove(k);
+        }
         self.hand.claim_started();
         let pool = self.deps.pool.clone();
         let relay_id = self.id.relay_id.clone();
-        let after = self.pass.cursor;
         let block = self.cfg.on_park == OnPark::BlockKey;
         let max_message = self.cfg.max_message_bytes.get();
         self.ops.push(
@@ -725,9 +764,10 @@ impl Engine {
                     block_parked_keys: block,
                     max_message_bytes: max_message,
                     max_bytes: bytes_room,
+                    keys: &named,
                 };
                 let result = claim::claim(&pool, req).await;
-                Done::Claim(ClaimMeta { limit, per_key }, result)
+                Done::Claim(ClaimMeta { limit }, result)
             }
             .boxed(),
         );
@@ -773,7 +813,10 @@ impl Engine {
             }
             Wake::Listen(ListenEvent::Lost) => self.listen_up = false,
             Wake::RetryDue(key) => self.hand.retry_due(&key),
-            Wake::Tick => self.pass.wanted = true,
+            Wake::Tick => {
+                self.pass.wanted = true;
+                self.pass.sweep = true;
+            }
             Wake::LeaseTick => self.start_lease(),
             Wake::SessionLost => {
                 // Decisions the lanes made before the loss still count.
@@ -892,10 +935,8 @@ impl Engine {
                     }
                     Err(e) => {
                         self.hand.claim_returned(Vec::new(), &HashSet::new());
-                        self.pass = Pass {
-                            cursor: 0,
-                            wanted: true,
-                        };
+                        self.pass.wanted = true;
+                        self.pass.sweep = true;
                         self.check_fatal(&e)?;
                         self.claim_retry.failed(&e);
                     }
@@ -991,10 +1032,13 @@ impl Engine {
         }
         let full: HashSet<Key> = per_key
             .into_iter()
-            .filter(|(_, n)| *n >= meta.per_key)
+            .filter(|(_, n)| *n >= claimed.per_key)
             .map(|(k, _)| k)
             .collect();
-        let new = self.hand.claim_returned(claimed.rows, &full);
+        let added = self.hand.claim_returned(claimed.rows, &full);
+        let new = added.rows;
+        // Keys cut short because rows left the hand during the claim: ask for them again.
+        self.continue_keys.extend(added.stopped);
         // Rows no NOTIFY announced although LISTEN was up and the hint was on.
         let unannounced = if self.listen_up && self.wakeup_db == Some(true) && !self.notified {
             new
@@ -1006,20 +1050,33 @@ impl Engine {
             .claimed(new, claimed.scanned, self.hand.rows(), unannounced);
         // `wanted` was cleared when this claim started; a wake-up that came while it ran
         // (its snapshot may predate that commit) has set it again and must survive.
-        if claimed.scanned >= meta.limit {
-            // The scan window was full: the pass goes on from where it stopped.
-            self.pass.cursor = claimed.scanned_to;
+        self.pass.cursor = claimed.scanned_to;
+        let reached_end = claimed.scanned < meta.limit;
+        if !reached_end || new > 0 || !self.continue_keys.is_empty() {
+            // More to read, or rows are coming: claim again at once.
             self.pass.wanted = true;
-        } else {
-            // The pass is complete. Start another at once if this one found work.
-            self.pass.cursor = 0;
-            self.pass.wanted |= new > 0;
-            if new == 0 && !self.pass.wanted {
-                self.wakeup_wanted = self.cfg.listen;
-            }
         }
-        if new >= BUSY_CLAIM_ROWS {
-            self.wakeup_wanted = false;
+        if new >= BUSY_CLAIM_ROWS && !self.busy {
+            self.busy = true;
+            self.wakeup_wanted = false; // producers stop sending NOTIFY; we poll
+        }
+        if new > 0 {
+            self.empty_since = None;
+        } else if reached_end && self.busy {
+            // Busy and came back empty: poll again shortly; after a quiet spell, go idle
+            // (the hint goes back on, then one more poll closes the race).
+            let now = Instant::now();
+            let since = *self.empty_since.get_or_insert(now);
+            if now.duration_since(since) >= IDLE_AFTER {
+                self.busy = false;
+                self.empty_since = None;
+                self.wakeup_wanted = self.cfg.listen;
+            } else {
+                self.pass.wanted = true;
+                self.pass.not_before = Some(now + BUSY_POLL_GAP);
+            }
+        } else if reached_end && !self.pass.wanted {
+            self.wakeup_wanted = self.cfg.listen;
         }
     }
 
@@ -1047,6 +1104,7 @@ impl Engine {
                         commit_secs.push((now_unix - row.created_epoch).max(0.0));
                     }
                     if self.hand.acked(&s.key, s.row_id).wants_claim {
+                        self.continue_keys.insert(s.key.clone());
                         self.pass.wanted = true;
                     }
                     self.marks.push((s.key, acked));
@@ -1121,6 +1179,7 @@ impl Engine {
                     );
                     let keep_going = self.cfg.on_park == OnPark::Continue;
                     if self.hand.parked(&key, failure.id, keep_going).wants_claim {
+                        self.continue_keys.insert(key.clone());
                         self.pass.wanted = true;
                     }
                     if !keep_going {
@@ -1129,6 +1188,7 @@ impl Engine {
                 }
                 Recorded::Gone => {
                     if self.hand.gone(&key, failure.id).wants_claim {
+                        self.continue_keys.insert(key.clone());
                         self.pass.wanted = true;
                     }
                 }
@@ -1197,10 +1257,8 @@ impl Engine {
             self.release_next.push(p as i32);
         }
         if gained > 0 {
-            self.pass = Pass {
-                cursor: 0,
-                wanted: true,
-            };
+            self.pass.wanted = true;
+            self.pass.sweep = true;
         }
         if gained > 0 || !lost.is_empty() {
             self.tel.leases_changed(
