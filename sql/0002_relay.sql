@@ -88,8 +88,10 @@ $$;
 -- Claim the next chunk of this relay's rows, numbering each key's new rows.
 --
 -- Scans up to p_limit pending, available rows of the leased partitions with id > p_after
--- (the relay's cursor; the relay sweeps again from 0 every poll interval, so a row that
--- commits late with a lower id is found by the next sweep: there is no high-water mark),
+-- (and id <= p_before when given). The relay reads forward from its cursor and, every poll
+-- interval, sweeps the range below the cursor again from 0 (p_before = the cursor), so a
+-- row that commits late with a lower id is found by the next sweep: there is no high-water
+-- mark, and a sweep never sets the forward cursor back.
 -- plus the keys the relay names in p_key_types/p_key_ids (keys whose earlier rows it has
 -- published and that may have more). For each key it returns a prefix of that key's
 -- pending rows in publish order (rows already numbered by seq, then new rows by id), so a
@@ -113,7 +115,8 @@ CREATE FUNCTION outbox_claim(
     p_max_message_bytes integer,
     p_max_bytes bigint,
     p_key_types text[] DEFAULT '{}',
-    p_key_ids text[] DEFAULT '{}'
+    p_key_ids text[] DEFAULT '{}',
+    p_before bigint DEFAULT NULL
 ) RETURNS TABLE (
     id bigint,
     event_id uuid,
@@ -171,6 +174,7 @@ BEGIN
          WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
            AND e.available_at <= now()
            AND e.id > p_after
+           AND (p_before IS NULL OR e.id <= p_before)
            AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (v_owned))
          ORDER BY e.id
          LIMIT p_limit

@@ -321,6 +321,15 @@ impl Telemetry {
         info!(target: "outbox_relay", relay_id, exchange, amqp = %amqp, listen, "relay started");
     }
 
+    /// Every event leaves two dead row versions behind; without autovacuum they pile up
+    /// and claims slow down over time.
+    pub fn autovacuum_off(&self) {
+        warn!(
+            target: "outbox_relay",
+            "autovacuum is off for outbox_events: dead rows will slow claiming over time; turn it on or VACUUM outbox_events regularly"
+        );
+    }
+
     pub fn postgres_state(&self, up: bool) {
         self.health.postgres_up.store(up, Ordering::Relaxed);
     }

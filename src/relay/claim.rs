@@ -79,6 +79,8 @@ pub struct Claimed {
 pub struct ClaimRequest<'a> {
     pub relay_id: &'a str,
     pub after: i64,
+    /// A sweep reads only up to here (the forward cursor).
+    pub before: Option<i64>,
     pub limit: usize,
     pub per_key: usize,
     pub block_parked_keys: bool,
@@ -89,7 +91,7 @@ pub struct ClaimRequest<'a> {
     pub keys: &'a [Key],
 }
 
-const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
 pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbError> {
     let client = deadline(pool.get()).await?;
@@ -112,6 +114,7 @@ pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbErro
             &max_bytes,
             &key_types,
             &key_ids,
+            &req.before,
         ],
     ))
     .await?;

@@ -229,7 +229,12 @@ pub async fn run(
     run_as(deps, config, Identity::of_this_process(), shutdown).await
 }
 
-const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint,text[],text[])') IS NOT NULL";
+/// Whether autovacuum will clean outbox_events (server setting and table option).
+const CHECK_AUTOVACUUM: &str = "SELECT current_setting('autovacuum') = 'on'
+   AND NOT coalesce((SELECT 'autovacuum_enabled=false' = ANY (reloptions) FROM pg_class
+                      WHERE oid = to_regclass('outbox_events')), false)";
+
+const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint,text[],text[],bigint)') IS NOT NULL";
 
 /// [`run`] with an explicit identity (tests run several relays in one process).
 pub async fn run_as(
@@ -262,6 +267,12 @@ pub async fn run_as(
         }
     }
     down.recovered();
+    if let Ok(client) = deadline(deps.pool.get()).await
+        && let Ok(row) = deadline(client.query_one(CHECK_AUTOVACUUM, &[])).await
+        && !row.get::<_, bool>(0)
+    {
+        deps.telemetry.autovacuum_off();
+    }
     deps.telemetry
         .relay_started(&id.relay_id, &config.exchange, &deps.amqp, config.listen);
     deps.telemetry.postgres_state(true);
@@ -319,6 +330,8 @@ enum Done {
 
 struct ClaimMeta {
     limit: usize,
+    /// A sweep claim (below the cursor), not a forward one.
+    sweeping: bool,
 }
 
 #[derive(Debug)]
@@ -328,17 +341,22 @@ struct HeldLease {
     releasing: bool,
 }
 
-/// Where claims read. Claims continue from a cursor (cheap: only rows not seen yet), and
-/// every poll tick, after gaining partitions and after a failed claim the next claim sweeps
-/// again from the first pending row, so a row that committed late with a lower id is found
-/// within one poll interval (no high-water mark on id).
+/// Where claims read. Claims read forward from a cursor (cheap: only rows not seen yet).
+/// Every poll tick, after gaining partitions and after a failed claim, a sweep reads the
+/// range below the cursor again from the first pending row, in claims that alternate with
+/// forward ones, so a row that committed late with a lower id is found within about one poll
+/// interval (no high-water mark on id) and a sweep never sets the forward cursor back.
 #[derive(Debug, Default)]
 struct Pass {
     cursor: i64,
     /// Claim as soon as possible.
     wanted: bool,
-    /// The next claim starts from the first pending row.
-    sweep: bool,
+    /// A sweep was asked for; it starts when none is running.
+    sweep_wanted: bool,
+    /// The running sweep: where it is, and where it stops.
+    sweep: Option<(i64, i64)>,
+    /// The last claim was a sweep claim: the next one reads forward.
+    last_was_sweep: bool,
     /// Busy polling: the next claim waits until then.
     not_before: Option<Instant>,
 }
@@ -446,10 +464,9 @@ impl Engine {
             amqp: Retry::new("rabbitmq"),
             settled_tx,
             pass: Pass {
-                cursor: 0,
                 wanted: true,
-                sweep: true,
-                not_before: None,
+                sweep_wanted: true,
+                ..Pass::default()
             },
             claim_busy: false,
             claim_retry: Retry::new("claim"),
@@ -710,7 +727,7 @@ impl Engine {
 
     fn start_claim(&mut self, now: Instant) {
         if self.claim_busy
-            || !self.pass.wanted
+            || !(self.pass.wanted || self.pass.sweep_wanted || self.pass.sweep.is_some())
             || self.session.is_none()
             || self.leases.is_empty()
             || !self.claim_retry.ready(now)
@@ -732,12 +749,21 @@ impl Engine {
         let limit = room.min(batch);
         let per_key = MAX_PER_KEY.min(limit);
         self.claim_busy = true;
-        self.pass.wanted = false;
         self.pass.not_before = None;
-        let after = if std::mem::take(&mut self.pass.sweep) {
-            0
-        } else {
-            self.pass.cursor
+        if std::mem::take(&mut self.pass.sweep_wanted) && self.pass.sweep.is_none() {
+            self.pass.sweep = Some((0, self.pass.cursor));
+        }
+        // Sweep and forward claims alternate while a sweep runs. A sweep claim leaves a
+        // forward wake-up standing: it only reads below the cursor.
+        let sweeping =
+            self.pass.sweep.is_some() && (!self.pass.last_was_sweep || !self.pass.wanted);
+        self.pass.last_was_sweep = sweeping;
+        if !sweeping {
+            self.pass.wanted = false;
+        }
+        let (after, before) = match self.pass.sweep {
+            Some((at, until)) if sweeping => (at, Some(until)),
+            _ => (self.pass.cursor, None),
         };
         // At most a quarter of the claim goes to keys asked for by name.
         let named: Vec<Key> = self
@@ -759,6 +785,7 @@ impl Engine {
                 let req = claim::ClaimRequest {
                     relay_id: &relay_id,
                     after,
+                    before,
                     limit,
                     per_key,
                     block_parked_keys: block,
@@ -767,7 +794,7 @@ impl Engine {
                     keys: &named,
                 };
                 let result = claim::claim(&pool, req).await;
-                Done::Claim(ClaimMeta { limit }, result)
+                Done::Claim(ClaimMeta { limit, sweeping }, result)
             }
             .boxed(),
         );
@@ -815,7 +842,7 @@ impl Engine {
             Wake::RetryDue(key) => self.hand.retry_due(&key),
             Wake::Tick => {
                 self.pass.wanted = true;
-                self.pass.sweep = true;
+                self.pass.sweep_wanted = true;
             }
             Wake::LeaseTick => self.start_lease(),
             Wake::SessionLost => {
@@ -936,7 +963,7 @@ impl Engine {
                     Err(e) => {
                         self.hand.claim_returned(Vec::new(), &HashSet::new());
                         self.pass.wanted = true;
-                        self.pass.sweep = true;
+                        self.pass.sweep_wanted = true;
                         self.check_fatal(&e)?;
                         self.claim_retry.failed(&e);
                     }
@@ -1050,9 +1077,21 @@ impl Engine {
             .claimed(new, claimed.scanned, self.hand.rows(), unannounced);
         // `wanted` was cleared when this claim started; a wake-up that came while it ran
         // (its snapshot may predate that commit) has set it again and must survive.
-        self.pass.cursor = claimed.scanned_to;
         let reached_end = claimed.scanned < meta.limit;
-        if !reached_end || new > 0 || !self.continue_keys.is_empty() {
+        if meta.sweeping {
+            // A sweep reaching its end is done; it never moves the forward cursor.
+            self.pass.sweep = if reached_end {
+                None
+            } else {
+                self.pass
+                    .sweep
+                    .map(|(_, until)| (claimed.scanned_to, until))
+            };
+            self.pass.wanted |= new > 0 || self.pass.sweep.is_some();
+            return;
+        }
+        self.pass.cursor = claimed.scanned_to;
+        if !reached_end || new > 0 || !self.continue_keys.is_empty() || self.pass.sweep.is_some() {
             // More to read, or rows are coming: claim again at once.
             self.pass.wanted = true;
         }
@@ -1258,7 +1297,7 @@ impl Engine {
         }
         if gained > 0 {
             self.pass.wanted = true;
-            self.pass.sweep = true;
+            self.pass.sweep_wanted = true;
         }
         if gained > 0 || !lost.is_empty() {
             self.tel.leases_changed(

@@ -142,7 +142,21 @@ async fn metrics_follow_the_events() {
     )
     .await;
 
-    // Without the trigger no NOTIFY comes: polling finds the rows and says so.
+    // Without the trigger no NOTIFY comes: polling finds the rows and says so. (Wait for the
+    // relay to be idle again, hint on: while busy it polls by design and counts nothing.)
+    wait_for(
+        "idle again, wake-up hint on",
+        Duration::from_secs(10),
+        || async {
+            let hint: Option<bool> = client
+                .query_one("SELECT bool_and(wants_wakeup) FROM outbox_relays", &[])
+                .await
+                .unwrap()
+                .get(0);
+            (hint == Some(true)).then_some(())
+        },
+    )
+    .await;
     client
         .batch_execute("ALTER TABLE outbox_events DISABLE TRIGGER outbox_events_wakeup")
         .await
