@@ -3,6 +3,7 @@
 
 mod support;
 
+mod cluster;
 mod consumer;
 mod dashboard;
 mod docs;
