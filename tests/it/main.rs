@@ -13,3 +13,4 @@ mod operability;
 mod relay_core;
 mod relay_faults;
 mod scale_out;
+mod soak;

@@ -27,7 +27,8 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(1);
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// An effect's claim: longer than 2 x send + write, as the kit requires.
 pub const EFFECT_LEASE: Duration = Duration::from_secs(4);
-pub const PREFETCH: u16 = 8;
+/// Small: the pool is twice this per consumer, and the suite shares one Postgres.
+pub const PREFETCH: u16 = 4;
 
 const APPLY: &str =
     "INSERT INTO soak_applied (consumer, worker, event_id, aggregate_type, aggregate_id, seq)

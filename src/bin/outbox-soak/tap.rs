@@ -199,3 +199,38 @@ pub async fn publish_copies(
     let _ = conn.close(200, "copies sent".into()).await;
     Ok(confirmed)
 }
+
+/// Publishes one event that never committed (a random id, its own key, seq 1), as a relay
+/// with a bug that published a rolled-back row would: the verdict's self-test.
+pub async fn publish_stray(amqp: &AmqpTarget, exchange: &str) -> anyhow::Result<uuid::Uuid> {
+    let id = uuid::Uuid::from_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos(),
+    );
+    let conn = amqp.connect("outbox-soak-planter").await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut h = FieldTable::default();
+    let s = |v: &str| AMQPValue::LongString(LongString::from(v.as_bytes().to_vec()));
+    h.insert(ShortString::from("x-outbox-aggregate-type"), s("acct"));
+    h.insert(ShortString::from("x-outbox-aggregate-id"), s("planted"));
+    h.insert(ShortString::from("x-outbox-seq"), AMQPValue::LongLongInt(1));
+    let props = BasicProperties::default()
+        .with_message_id(id.to_string().into())
+        .with_content_type("application/json".into())
+        .with_type("changed".into())
+        .with_delivery_mode(2)
+        .with_headers(h);
+    ch.basic_publish(
+        exchange.into(),
+        "acct.changed".into(),
+        BasicPublishOptions::default(),
+        b"{}",
+        props,
+    )
+    .await?
+    .await?;
+    let _ = conn.close(200, "planted".into()).await;
+    Ok(id)
+}
