@@ -272,8 +272,7 @@ async fn read_queue(url: &str, queue: &str, expect: &HashSet<String>) -> Vec<Del
     }
     reader.abort();
     let _ = conn.close(200, "read".into()).await;
-    let deliveries = got.lock().unwrap().clone();
-    deliveries
+    got.lock().unwrap().clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,7 @@ pub struct Rng(u64);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x5eed_0f_0b0c_5eed)
+        Rng(seed ^ 0x005e_ed0f_0b0c_5eed)
     }
 
     /// A generator for one named stream of choices, independent of the others.
