@@ -42,6 +42,10 @@ async fn soak(seed: u64, duration: &str, extra: &[&str]) -> Outcome {
         "120s".to_owned(),
         "--work-dir".to_owned(),
         work.display().to_string(),
+        // The relay cargo built for this test binary (the soak would otherwise look next
+        // to itself, and build it when it sees cargo's variables).
+        "--relay-bin".to_owned(),
+        env!("CARGO_BIN_EXE_outbox-relay").to_owned(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     let out = tokio::time::timeout(
