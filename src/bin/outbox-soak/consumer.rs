@@ -27,8 +27,6 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(1);
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// An effect's claim: longer than 2 x send + write, as the kit requires.
 pub const EFFECT_LEASE: Duration = Duration::from_secs(4);
-/// Small: the pool is twice this per consumer, and the suite shares one Postgres.
-pub const PREFETCH: u16 = 4;
 
 const APPLY: &str =
     "INSERT INTO soak_applied (consumer, worker, event_id, aggregate_type, aggregate_id, seq)
@@ -52,10 +50,10 @@ pub fn effect_key(event_id: &uuid::Uuid) -> String {
     format!("soak:{event_id}")
 }
 
-pub fn config(queue: &str, exchange: &str, worker: &str) -> ConsumerConfig {
+pub fn config(queue: &str, exchange: &str, worker: &str, prefetch: NonZeroU16) -> ConsumerConfig {
     let mut cfg = ConsumerConfig::new(GROUP, exchange, &["#"]);
     cfg.queue = queue.to_owned();
-    cfg.prefetch = NonZeroU16::new(PREFETCH).expect("non-zero");
+    cfg.prefetch = prefetch;
     cfg.ordered = Some(Ordered {
         // No event is ever missing for good in the soak: a gap that lasts this long is a
         // failure, and dead-lettering makes it show up as a missing apply.
@@ -123,6 +121,8 @@ pub struct Args {
     pub destination: SocketAddr,
     pub worker: String,
     pub application_name: String,
+    /// Messages in hand at once; the pool is twice this.
+    pub prefetch: NonZeroU16,
 }
 
 /// Runs until SIGTERM or SIGINT; then finishes the messages in hand.
@@ -137,7 +137,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         EFFECT_LEASE,
     )?);
     let deps = ConsumerDeps {
-        pool: db.pool(&schema, &args.application_name, 2 * PREFETCH as usize),
+        pool: db.pool(
+            &schema,
+            &args.application_name,
+            2 * args.prefetch.get() as usize,
+        ),
         amqp,
     };
     let handler = Arc::new(Soak {
@@ -159,7 +163,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         s.cancel();
     });
-    let cfg = config(&args.queue, &args.exchange, &args.worker);
+    let cfg = config(&args.queue, &args.exchange, &args.worker, args.prefetch);
     runner::run(deps, cfg, handler, shutdown).await?;
     Ok(())
 }

@@ -65,6 +65,8 @@ struct ConsumerArgs {
     worker: String,
     #[arg(long)]
     application_name: String,
+    #[arg(long, default_value_t = std::num::NonZeroU16::new(4).expect("non-zero"))]
+    prefetch: std::num::NonZeroU16,
 }
 
 fn main() -> ExitCode {
@@ -90,6 +92,7 @@ fn main() -> ExitCode {
                 destination: a.destination,
                 worker: a.worker,
                 application_name: a.application_name,
+                prefetch: a.prefetch,
             };
             match runtime.block_on(consumer::run(args)) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -61,6 +61,10 @@ pub struct RunArgs {
     pub relays: usize,
     #[arg(long, default_value_t = 2)]
     pub consumers: usize,
+    /// Messages each consumer handles at once (its Postgres pool is twice this: mind
+    /// max_connections when the database is shared).
+    #[arg(long, default_value_t = 4)]
+    pub prefetch: u16,
     /// The relays' --lease; pauses outlast the takeover time (lease + lease/3).
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub lease: Duration,
@@ -621,6 +625,7 @@ async fn soak(
             let db_url = up.pg_url(proxies.consumer_pg[i].port(), db_name);
             let amqp_url = up.amqp_url(proxies.consumer_amqp[i].port());
             let (exchange, queue) = (exchange.clone(), queue.clone());
+            let prefetch = args.prefetch.max(1).to_string();
             Slot::new(
                 &format!("consumer {i}"),
                 exe.to_owned(),
@@ -641,6 +646,8 @@ async fn soak(
                         destination::worker_name(i, incarnation),
                         "--application-name".into(),
                         app_name(Target::Consumer(i)),
+                        "--prefetch".into(),
+                        prefetch.clone(),
                     ]
                 },
                 vec![
