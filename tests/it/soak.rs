@@ -38,6 +38,9 @@ async fn soak(seed: u64, duration: &str, extra: &[&str]) -> Outcome {
         "60".to_owned(),
         "--keys".to_owned(),
         "120".to_owned(),
+        // Two pools of 8 connections: the suite's other tests share the database server.
+        "--prefetch".to_owned(),
+        "4".to_owned(),
         "--drain-timeout".to_owned(),
         "120s".to_owned(),
         "--work-dir".to_owned(),

@@ -48,8 +48,9 @@ pub struct RunArgs {
     /// schedule.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Events per second, all producers together.
-    #[arg(long, default_value_t = 200)]
+    /// Events per second, all producers together. Keep it below what the consumers
+    /// apply (docs/soak.md: ordered consumers behind a long backlog give gaps up).
+    #[arg(long, default_value_t = 100)]
     pub rate: u32,
     /// Distinct keys (aggregate ids); a quarter of the events go to eight hot ones.
     #[arg(long, default_value_t = 300)]
@@ -57,13 +58,15 @@ pub struct RunArgs {
     /// Steady producers (one more holds its transactions open and commits late).
     #[arg(long, default_value_t = 3)]
     pub producers: u32,
+    /// Relay processes.
     #[arg(long, default_value_t = 3)]
     pub relays: usize,
+    /// Consumer processes (one consumer group, one queue).
     #[arg(long, default_value_t = 2)]
     pub consumers: usize,
     /// Messages each consumer handles at once (its Postgres pool is twice this: mind
     /// max_connections when the database is shared).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 6)]
     pub prefetch: u16,
     /// The relays' --lease; pauses outlast the takeover time (lease + lease/3).
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
@@ -76,12 +79,15 @@ pub struct RunArgs {
     #[arg(
         long,
         env = "DATABASE_URL",
+        hide_env_values = true,
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     pub database_url: String,
+    /// RabbitMQ (the first URL of a list); the relays and consumers reach it through proxies.
     #[arg(
         long,
         env = "AMQP_URL",
+        hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
