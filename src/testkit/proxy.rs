@@ -1,56 +1,103 @@
-//! A TCP proxy the tests control: pass bytes through, cut every connection and refuse new
-//! ones, or blackhole (accept, forward nothing, keep connections silently open), as a
-//! dead network looks to the relay.
+//! A TCP proxy the tests and the soak control: pass bytes through, delay them, cut every
+//! connection (FIN), reset it (RST), or blackhole it (accept, forward nothing, keep
+//! connections silently open), as a slow, broken or dead network looks to the relay.
+//!
+//! Each connection is two one-way pumps (client → server, server → client). A pump reads a
+//! chunk, stamps it with "due at now + the current delay", and writes it when it is due, so
+//! a delay adds latency without cutting throughput. Both pumps watch the mode: a change
+//! takes effect on live connections at once, not only on new ones.
+//!
+//! Invariant: bytes are forwarded in order and never dropped while a connection lives;
+//! faults end connections (Cut, Reset, the end of a Blackhole), they never corrupt them.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     Pass,
-    /// Close every connection; refuse new ones.
+    /// Close every connection (FIN); refuse new ones.
     Cut,
-    /// Keep connections open but forward nothing; new ones are accepted and stall.
+    /// Keep connections open but forward nothing; new ones are accepted and stall. When the
+    /// mode changes again, the blackholed connections are closed.
     Blackhole,
+    /// Forward everything, each chunk this much later than it arrived (both directions).
+    Delay(Duration),
+    /// Reset every connection (RST, as a crashed middlebox or a firewall does); new ones
+    /// are accepted and reset at once.
+    Reset,
+}
+
+/// What the proxy has seen, for reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Connections accepted.
+    pub accepted: u64,
+    /// Connections ended by a fault (Cut, Reset, the end of a Blackhole).
+    pub broken: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    accepted: AtomicU64,
+    broken: AtomicU64,
 }
 
 pub struct TcpProxy {
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
+    counters: Arc<Counters>,
+    stop: CancellationToken,
 }
+
+/// Chunks a pump holds before it stops reading (backpressure while delayed).
+const MAX_QUEUED: usize = 256;
 
 impl TcpProxy {
     pub async fn start(upstream: SocketAddr) -> TcpProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = watch::channel(Mode::Pass);
+        let counters = Arc::new(Counters::default());
+        let stop = CancellationToken::new();
+        let c = counters.clone();
+        let s = stop.clone();
         tokio::spawn(async move {
             loop {
-                let Ok((client, _)) = listener.accept().await else {
+                let accepted = tokio::select! {
+                    _ = s.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let Ok((client, _)) = accepted else {
                     return;
                 };
-                let mut rx = rx.clone();
+                c.accepted.fetch_add(1, Ordering::Relaxed);
+                let rx = rx.clone();
+                let c = c.clone();
+                let s = s.clone();
                 tokio::spawn(async move {
-                    let mode = *rx.borrow_and_update();
-                    match mode {
-                        Mode::Cut => return,
-                        Mode::Blackhole => {
-                            // Hold the socket until the mode changes; send nothing.
-                            let _ = rx.changed().await;
-                            return;
-                        }
-                        Mode::Pass => {}
+                    if connection(client, upstream, rx, s).await {
+                        c.broken.fetch_add(1, Ordering::Relaxed);
                     }
-                    let Ok(server) = TcpStream::connect(upstream).await else {
-                        return;
-                    };
-                    relay(client, server, rx).await;
                 });
             }
         });
-        TcpProxy { addr, mode: tx }
+        TcpProxy {
+            addr,
+            mode: tx,
+            counters,
+            stop,
+        }
     }
 
     pub fn port(&self) -> u16 {
@@ -60,36 +107,258 @@ impl TcpProxy {
     pub fn set(&self, mode: Mode) {
         self.mode.send_replace(mode);
     }
+
+    pub fn mode(&self) -> Mode {
+        *self.mode.borrow()
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats {
+            accepted: self.counters.accepted.load(Ordering::Relaxed),
+            broken: self.counters.broken.load(Ordering::Relaxed),
+        }
+    }
 }
 
-async fn relay(mut client: TcpStream, mut server: TcpStream, mut rx: watch::Receiver<Mode>) {
-    // One copy future for the connection's life: dropping it would lose buffered bytes.
-    let copy = tokio::io::copy_bidirectional(&mut client, &mut server);
-    tokio::pin!(copy);
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Serves one accepted connection; true when a fault ended it.
+async fn connection(
+    client: TcpStream,
+    upstream: SocketAddr,
+    mut rx: watch::Receiver<Mode>,
+    stop: CancellationToken,
+) -> bool {
+    let mode = *rx.borrow_and_update();
+    match mode {
+        Mode::Cut => return true,
+        Mode::Reset => {
+            let _ = client.set_zero_linger();
+            return true;
+        }
+        Mode::Blackhole => {
+            // Hold the socket until the mode changes; send nothing.
+            tokio::select! {
+                _ = rx.changed() => {}
+                _ = stop.cancelled() => {}
+            }
+            return true;
+        }
+        Mode::Pass | Mode::Delay(_) => {}
+    }
+    let Ok(server) = TcpStream::connect(upstream).await else {
+        return false;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (cr, cw) = client.into_split();
+    let (sr, sw) = server.into_split();
+    // Either pump ending by a fault ends the other one too.
+    let done = stop.child_token();
+    let up = tokio::spawn(pump(cr, sw, rx.clone(), done.clone()));
+    let down = tokio::spawn(pump(sr, cw, rx, done));
+    let (a, b) = (up.await, down.await);
+    matches!(a, Ok(true)) || matches!(b, Ok(true))
+}
+
+/// Copies `src` to `dst` with the current delay until EOF, an error or a fault; true when
+/// a fault ended it.
+async fn pump(
+    mut src: OwnedReadHalf,
+    mut dst: OwnedWriteHalf,
+    mut rx: watch::Receiver<Mode>,
+    done: CancellationToken,
+) -> bool {
+    let mut queue: VecDeque<(Instant, Vec<u8>)> = VecDeque::new();
+    let mut written = 0usize; // of the front chunk
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut eof = false;
     loop {
+        let mode = *rx.borrow_and_update();
+        let delay = match mode {
+            Mode::Pass => Duration::ZERO,
+            Mode::Delay(d) => d,
+            Mode::Cut => {
+                done.cancel();
+                return true;
+            }
+            Mode::Reset => {
+                // Both pumps see the mode and do this, so neither socket sends a FIN: the
+                // write halves are forgotten (a dropped one would shut down first) and each
+                // socket goes with its read half, with linger 0, i.e. as an RST. No
+                // `done.cancel()` here: the other pump must not leave by the FIN path.
+                let _ = src.as_ref().set_zero_linger();
+                let _ = dst.as_ref().set_zero_linger();
+                dst.forget();
+                return true;
+            }
+            Mode::Blackhole => {
+                tokio::select! {
+                    _ = rx.changed() => {}
+                    _ = done.cancelled() => {}
+                }
+                done.cancel();
+                return true;
+            }
+        };
+        if eof && queue.is_empty() {
+            let _ = dst.shutdown().await;
+            return false;
+        }
+        let due = queue.front().map(|(t, _)| *t);
+        let ready = due.is_some_and(|t| t <= Instant::now());
         tokio::select! {
-            _ = &mut copy => return,
+            _ = done.cancelled() => return false,
             changed = rx.changed() => {
                 if changed.is_err() {
-                    return;
-                }
-                let mode = *rx.borrow_and_update();
-                match mode {
-                    Mode::Pass => continue,
-                    // Returning drops both sockets: the peers see the connection end.
-                    Mode::Cut => return,
-                    Mode::Blackhole => {
-                        // Stop polling the copy (nothing is forwarded) but keep both
-                        // sockets open until the mode changes.
-                        while rx.changed().await.is_ok() {
-                            if *rx.borrow_and_update() != Mode::Blackhole {
-                                return;
-                            }
-                        }
-                        return;
-                    }
+                    done.cancel();
+                    return false;
                 }
             }
+            r = src.read(&mut buf), if !eof && queue.len() < MAX_QUEUED => match r {
+                Ok(0) => eof = true,
+                Ok(n) => queue.push_back((Instant::now() + delay, buf[..n].to_vec())),
+                Err(_) => {
+                    done.cancel();
+                    return false;
+                }
+            },
+            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() && !ready => {}
+            // `write` (not `write_all`) is cancel-safe: a write that did not complete wrote
+            // nothing, so a mode change in the middle loses no bytes.
+            w = dst.write(queue.front().map(|(_, b)| &b[written..]).unwrap_or_default()), if ready => match w {
+                Ok(n) if n > 0 => {
+                    written += n;
+                    if written == queue.front().map_or(0, |(_, b)| b.len()) {
+                        queue.pop_front();
+                        written = 0;
+                    }
+                }
+                _ => {
+                    done.cancel();
+                    return false;
+                }
+            },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An echo server: what it reads it writes back.
+    async fn echo() -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                tokio::spawn(async move {
+                    let (mut r, mut w) = s.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        addr
+    }
+
+    async fn round_trip(s: &mut TcpStream, data: &[u8]) -> std::io::Result<Vec<u8>> {
+        s.write_all(data).await?;
+        let mut out = vec![0u8; data.len()];
+        s.read_exact(&mut out).await?;
+        Ok(out)
+    }
+
+    #[tokio::test]
+    async fn passes_bytes_in_order() {
+        let proxy = TcpProxy::start(echo().await).await;
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let (mut r, mut w) = s.split();
+        let (written, read) = tokio::join!(w.write_all(&data), async {
+            let mut out = vec![0u8; data.len()];
+            r.read_exact(&mut out).await.map(|_| out)
+        });
+        written.unwrap();
+        assert_eq!(read.unwrap(), data);
+        assert_eq!(proxy.stats().accepted, 1);
+    }
+
+    #[tokio::test]
+    async fn delay_adds_latency_to_live_connections() {
+        let proxy = TcpProxy::start(echo().await).await;
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        round_trip(&mut s, b"warm").await.unwrap();
+        proxy.set(Mode::Delay(Duration::from_millis(400)));
+        let started = std::time::Instant::now();
+        assert_eq!(round_trip(&mut s, b"slow").await.unwrap(), b"slow");
+        // Delayed once on the way there and once on the way back.
+        assert!(started.elapsed() >= Duration::from_millis(800));
+        proxy.set(Mode::Pass);
+        let started = std::time::Instant::now();
+        round_trip(&mut s, b"fast").await.unwrap();
+        assert!(started.elapsed() < Duration::from_millis(400));
+    }
+
+    #[tokio::test]
+    async fn reset_sends_rst_and_refuses_until_pass() {
+        let proxy = TcpProxy::start(echo().await).await;
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        round_trip(&mut s, b"hi").await.unwrap();
+        proxy.set(Mode::Reset);
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(5), s.read(&mut byte))
+            .await
+            .expect("the reset reaches the client");
+        assert_eq!(
+            read.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::ConnectionReset)
+        );
+        let mut again = TcpStream::connect(proxy.addr).await.unwrap();
+        assert!(round_trip(&mut again, b"no").await.is_err());
+        proxy.set(Mode::Pass);
+        let mut fresh = TcpStream::connect(proxy.addr).await.unwrap();
+        assert_eq!(round_trip(&mut fresh, b"ok").await.unwrap(), b"ok");
+        assert!(proxy.stats().broken >= 2);
+    }
+
+    #[tokio::test]
+    async fn blackhole_forwards_nothing_then_closes() {
+        let proxy = TcpProxy::start(echo().await).await;
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        round_trip(&mut s, b"hi").await.unwrap();
+        proxy.set(Mode::Blackhole);
+        s.write_all(b"lost?").await.unwrap();
+        let mut buf = [0u8; 5];
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf))
+                .await
+                .is_err(),
+            "nothing comes back while blackholed"
+        );
+        proxy.set(Mode::Pass);
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("closed after the blackhole");
+        assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    }
+
+    #[tokio::test]
+    async fn cut_closes_and_refuses() {
+        let proxy = TcpProxy::start(echo().await).await;
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        round_trip(&mut s, b"hi").await.unwrap();
+        proxy.set(Mode::Cut);
+        let mut buf = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap();
+        assert!(matches!(n, Ok(0)), "FIN, not RST: {n:?}");
+        let mut again = TcpStream::connect(proxy.addr).await.unwrap();
+        assert!(round_trip(&mut again, b"x").await.is_err());
     }
 }

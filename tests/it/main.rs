@@ -4,6 +4,7 @@
 mod support;
 
 mod bench_smoke;
+mod cluster;
 mod consumer;
 mod dashboard;
 mod demo;
@@ -16,3 +17,4 @@ mod relay_core;
 mod relay_faults;
 mod roles;
 mod scale_out;
+mod soak;
