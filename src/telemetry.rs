@@ -229,6 +229,15 @@ impl Health {
 pub struct Telemetry {
     pub metrics: Arc<Metrics>,
     pub health: Arc<Health>,
+    /// Failed publishes are logged at most every 30 s (a broker that nacks everything must
+    /// not flood the log); the counts in between are summed into the next line.
+    failures: Arc<std::sync::Mutex<FailureLog>>,
+}
+
+#[derive(Debug, Default)]
+struct FailureLog {
+    last: Option<Instant>,
+    since: SettledCounts,
 }
 
 /// Rate-limited logging for one dependency or operation that can fail repeatedly.
@@ -421,15 +430,31 @@ impl Telemetry {
             m.commit_to_confirm.observe(*s);
         }
         if c.returned + c.nacked + c.timed_out + c.lost > 0 {
-            warn!(
-                target: "outbox_relay",
-                acked = c.acked,
-                returned = c.returned,
-                nacked = c.nacked,
-                timed_out = c.timed_out,
-                lost = c.lost,
-                "publishes failed; rows stay pending and are retried with backoff"
-            );
+            let mut log = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            log.since.acked += c.acked;
+            log.since.returned += c.returned;
+            log.since.nacked += c.nacked;
+            log.since.timed_out += c.timed_out;
+            log.since.lost += c.lost;
+            let now = Instant::now();
+            if log
+                .last
+                .is_none_or(|t| now.duration_since(t) >= DOWN_REPEAT)
+            {
+                let t = std::mem::take(&mut log.since);
+                log.last = Some(now);
+                warn!(
+                    target: "outbox_relay",
+                    acked = t.acked,
+                    returned = t.returned,
+                    nacked = t.nacked,
+                    timed_out = t.timed_out,
+                    lost = t.lost,
+                    "publishes failed; rows stay pending and are retried with backoff (counts since the last such line; at most one every 30 s)"
+                );
+            } else {
+                debug!(target: "outbox_relay", returned = c.returned, nacked = c.nacked, "publishes failed");
+            }
         } else {
             debug!(target: "outbox_relay", acked = c.acked, "batch confirmed");
         }

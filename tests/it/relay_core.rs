@@ -140,9 +140,7 @@ async fn rolled_back_rows_are_never_published() {
             rolled_back.extend(ids);
         }
     }
-    broker
-        .wait_count(committed.len(), Duration::from_secs(60))
-        .await;
+    broker.wait_all(&committed, Duration::from_secs(60)).await;
     // Let a few more polls pass; nothing else may arrive.
     let after = db.client().await;
     crate::support::wait_for("relay idle", Duration::from_secs(10), || async {

@@ -67,9 +67,7 @@ async fn sigkill_mid_stream_then_restart_loses_nothing() {
     relay.wait(Duration::from_secs(10)).await;
     let mut relay = RelayProcess::start(&name, &args);
     let committed = producer.await.unwrap();
-    broker
-        .wait_count(committed.len(), Duration::from_secs(120))
-        .await;
+    broker.wait_all(&committed, Duration::from_secs(120)).await;
     all_dispatched(&db, Duration::from_secs(30)).await;
     relay.signal("TERM");
     assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
@@ -100,9 +98,7 @@ async fn connections_cut_mid_stream_recover_without_loss() {
     let killed = db.terminate_relay_connections("outbox-relay%").await;
     assert!(killed >= 1, "relay sessions terminated");
     let committed = producer.await.unwrap();
-    broker
-        .wait_count(committed.len(), Duration::from_secs(120))
-        .await;
+    broker.wait_all(&committed, Duration::from_secs(120)).await;
     all_dispatched(&db, Duration::from_secs(30)).await;
     relay.stop().await;
     let report = check(&committed, &broker.received());
@@ -148,7 +144,7 @@ async fn sigterm_mid_stream_exits_cleanly_and_publishes_nothing_twice() {
         "every published row was marked before exit"
     );
     let mut relay = RelayProcess::start(&name, &args);
-    broker.wait_count(20_000, Duration::from_secs(120)).await;
+    broker.wait_all(&committed, Duration::from_secs(120)).await;
     all_dispatched(&db, Duration::from_secs(30)).await;
     relay.signal("TERM");
     assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));

@@ -97,7 +97,7 @@ async fn three_relays_share_the_work_in_order() {
     )
     .await;
     let committed = produce(&db, 30_000, 2_000, 4, Duration::from_millis(3)).await;
-    broker.wait_count(30_000, Duration::from_secs(180)).await;
+    broker.wait_all(&committed, Duration::from_secs(180)).await;
     wait_dispatched(&db, Duration::from_secs(30)).await;
     // Each relay reports what it published at its next heartbeat.
     let shares: Vec<i64> = wait_for(
@@ -198,9 +198,7 @@ async fn relays_killed_stopped_and_cut_keep_order_and_lose_nothing() {
     assert!(killed >= 1);
 
     let committed = producer.await.unwrap();
-    broker
-        .wait_count(committed.len(), Duration::from_secs(180))
-        .await;
+    broker.wait_all(&committed, Duration::from_secs(180)).await;
     wait_dispatched(&db, Duration::from_secs(60)).await;
     for r in [&mut a, &mut c] {
         r.signal("TERM");
@@ -228,7 +226,7 @@ async fn a_hot_key_is_delivered_in_seq_order() {
         .collect();
     let client = db.client().await;
     let committed = db.insert(&client, 5_000, 1).await;
-    broker.wait_count(5_000, Duration::from_secs(120)).await;
+    broker.wait_all(&committed, Duration::from_secs(120)).await;
     for r in relays {
         r.stop().await;
     }

@@ -462,6 +462,26 @@ impl Broker {
         .unwrap();
     }
 
+    /// Waits until every one of `ids` arrived at least once. Under faults redeliveries
+    /// make the raw count overshoot, so a count is no proof that nothing is missing.
+    pub async fn wait_all(&self, ids: &[uuid::Uuid], limit: Duration) {
+        let wanted: std::collections::HashSet<String> = ids.iter().map(|u| u.to_string()).collect();
+        wait_for(
+            &format!("all {} committed events in {}", wanted.len(), self.queue),
+            limit,
+            || async {
+                let got = self.received.lock().unwrap();
+                let seen: std::collections::HashSet<&str> =
+                    got.iter().map(|r| r.message_id.as_str()).collect();
+                wanted
+                    .iter()
+                    .all(|id| seen.contains(id.as_str()))
+                    .then_some(())
+            },
+        )
+        .await;
+    }
+
     /// Waits until at least `n` messages arrived.
     pub async fn wait_count(&self, n: usize, limit: Duration) {
         wait_for(
