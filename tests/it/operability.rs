@@ -257,6 +257,41 @@ async fn retention_deletes_only_old_dispatched_rows() {
     }
 }
 
+/// Retention on a table with a big history: the relay stops promptly when asked in the
+/// middle of a sweep (it does not finish deleting first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_of_a_big_history_does_not_hold_up_shutdown() {
+    const OLD: i64 = 600_000;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, dispatched_at)
+             SELECT 'old', (g % 1000)::text, 'e', '{{}}', now() - interval '2 days'
+               FROM generate_series(1, {OLD}) g;
+             ANALYZE outbox_events;"
+        ))
+        .await
+        .unwrap();
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    config.retention = Some(Duration::from_secs(86_400));
+    let relay = InProcessRelay::start(&db, config);
+    wait_for("the sweep under way", Duration::from_secs(30), || async {
+        (db.count(&client, "aggregate_type = 'old'").await < OLD).then_some(())
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    relay.stop().await;
+    let took = asked.elapsed();
+    let left = db.count(&client, "aggregate_type = 'old'").await;
+    assert!(
+        left > 0,
+        "the sweep was stopped, not finished ({left} left)"
+    );
+    assert!(took < Duration::from_secs(5), "stopped in {took:?}");
+}
+
 /// traceparent/tracestate columns arrive as AMQP headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trace_context_arrives_as_headers() {

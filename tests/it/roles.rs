@@ -242,9 +242,13 @@ async fn relay_and_producer_run_under_their_roles() {
 
     // --retention's sweep as the relay role (DELETE, FOR UPDATE SKIP LOCKED).
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let deleted = outbox_relay::relay::retention::sweep(&relay_pool, Duration::from_millis(1))
-        .await
-        .expect("retention sweep as the relay role");
+    let deleted = outbox_relay::relay::retention::sweep(
+        &relay_pool,
+        Duration::from_millis(1),
+        &Default::default(),
+    )
+    .await
+    .expect("retention sweep as the relay role");
     assert_eq!(deleted, 151);
 }
 
