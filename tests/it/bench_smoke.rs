@@ -57,6 +57,7 @@ async fn bench_smoke_measures_every_section() {
         "growth",
         "relay_resources",
         "sweep",
+        "scale_out",
     ] {
         let v = &report[section];
         assert!(
@@ -77,6 +78,9 @@ async fn bench_smoke_measures_every_section() {
     assert_eq!(producer["runs"].as_array().unwrap().len(), 7);
     assert!(producer["idle_wakeup"]["samples"].as_u64().unwrap() > 0);
     assert!(report["growth"]["ratio"].as_f64().unwrap() > 0.0);
+    let scale = report["scale_out"]["points"].as_array().unwrap();
+    assert_eq!(scale.len(), 2, "one and two relays: {scale:?}");
+    assert!(scale.iter().all(|p| p["rate"].as_f64().unwrap() > 0.0));
     assert!(report["relay_resources"]["peak_rss_mib"].as_f64().unwrap() > 0.0);
     assert_eq!(report["sweep"]["points"].as_array().unwrap().len(), 4);
     assert_eq!(report["targets"].as_array().unwrap().len(), 6);

@@ -6,7 +6,8 @@
 //! with LISTEN and with `--no-listen`; (4) producer commit throughput with the relay's
 //! triggers in each relay state, against the same table without triggers, and the idle
 //! wake-up latency; (5) the drain with millions of dispatched rows in the table against an
-//! empty one; (6) the relay's peak memory and CPU per 100,000 events. `--sweep` adds drain
+//! empty one, and with retention deleting them; (6) the relay's peak memory and CPU per
+//! 100,000 events; (7) one backlog drained by 1, 2 and 3 relays. `--sweep` adds drain
 //! rate against batch size and channel count, drawn as an SVG chart (`--svg`).
 //!
 //! The relay runs as the real binary in a child process (`outbox-relay run`), next to this
@@ -37,12 +38,14 @@ use report::{Machine, Outcome, Results};
 use sections::{Ctx, Settings};
 
 /// The sections `--only` can pick.
-const SECTIONS: [&str; 6] = ["ceiling", "drain", "latency", "producer", "growth", "sweep"];
+const SECTIONS: [&str; 7] = [
+    "ceiling", "drain", "latency", "producer", "growth", "scale", "sweep",
+];
 
 #[derive(Debug, Parser)]
 #[command(
     name = "outbox-bench",
-    about = "Benchmarks outbox-relay against the broker's own ceiling (issue 6); see docs/benchmark.md"
+    about = "Benchmarks outbox-relay against the broker's own ceiling (issue 6); see README, Benchmark"
 )]
 struct Args {
     /// Every section at tiny sizes (seconds, not minutes): checks the bench works.
@@ -57,7 +60,7 @@ struct Args {
     /// Also measure drain rate against batch size and channel count.
     #[arg(long)]
     sweep: bool,
-    /// Run only these sections (comma-separated): ceiling, drain, latency, producer, growth, sweep.
+    /// Run only these sections (comma-separated): ceiling, drain, latency, producer, growth, scale, sweep.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 
@@ -137,6 +140,12 @@ struct Args {
     /// Backlog size of each sweep drain.
     #[arg(long)]
     sweep_events: Option<u64>,
+    /// Relay counts for the scale-out section.
+    #[arg(long, value_delimiter = ',')]
+    scale_relays: Vec<usize>,
+    /// Backlog size of each scale-out drain.
+    #[arg(long)]
+    scale_events: Option<u64>,
 }
 
 impl Args {
@@ -177,6 +186,7 @@ impl Args {
                     .clone()
                     .unwrap_or_else(|| if smoke { "200ms".into() } else { "1s".into() }),
                 listen: true,
+                retention: None,
             },
             latency_rates: pick(&self.latency_rates, &[1_000, 5_000], &[200, 1_000]),
             latency_secs: secs(self.latency_secs, 30.0, 1.0),
@@ -196,6 +206,8 @@ impl Args {
             ),
             sweep_channels: pick_usize(&self.sweep_channels, &[1, 2, 4], &[1, 2]),
             sweep_events: size(self.sweep_events, 50_000, 1_000),
+            scale_relays: pick_usize(&self.scale_relays, &[1, 2, 3], &[1, 2]),
+            scale_events: size(self.scale_events, 100_000, 1_000),
         }
     }
 
@@ -352,6 +364,7 @@ async fn run(args: Args) -> Result<bool> {
         producer: None,
         growth: None,
         sweep: None,
+        scale: None,
     };
 
     // The backlog is made first so that the ceiling publishes the very bodies the relay
@@ -432,13 +445,17 @@ async fn run(args: Args) -> Result<bool> {
         ));
         results.growth = outcome("growth", sections::growth(&ctx).await);
     }
+    let bodies = || match bodies.clone() {
+        Some(b) => b,
+        None => Arc::new((0..1000).map(pg::payload_json).collect()),
+    };
+    if args.wants("scale") {
+        note("7. scale-out: one backlog, several relays");
+        results.scale = outcome("scale-out", sections::scale_out(&ctx, bodies()).await);
+    }
     if args.wants("sweep") {
         note("sweep: batch size x channels");
-        let b = match bodies.clone() {
-            Some(b) => b,
-            None => Arc::new((0..1000).map(pg::payload_json).collect()),
-        };
-        results.sweep = outcome("sweep", sections::sweep(&ctx, b).await);
+        results.sweep = outcome("sweep", sections::sweep(&ctx, bodies()).await);
     }
     ctx.admin.close().await;
     results.duration_s = started.elapsed().as_secs_f64();

@@ -322,7 +322,12 @@ impl BenchDb {
     async fn insert_rows(&self, first: u64, n: u64, keys: u64, dispatched: bool) -> Result<()> {
         const CHUNK: u64 = 250_000;
         let (extra_cols, extra_vals) = if dispatched {
-            (", dispatched_at, seq, attempts", ", now(), g / $3 + 1, 1")
+            // Dispatched a day ago: old enough for any retention the bench sets, so
+            // the retention run deletes exactly this history and none of its own drain.
+            (
+                ", dispatched_at, seq, attempts",
+                ", now() - interval '1 day', g / $3 + 1, 1",
+            )
         } else {
             ("", "")
         };
@@ -347,6 +352,13 @@ impl BenchDb {
     }
 
     /// Rows neither dispatched nor parked.
+    /// Rows dispatched more than an hour ago (the growth history, dispatched a day ago).
+    pub async fn old_dispatched(&self) -> Result<i64> {
+        let sql = "SELECT count(*) FROM outbox_events
+                    WHERE dispatched_at < now() - interval '1 hour'";
+        Ok(self.client.query_one(sql, &[]).await?.get(0))
+    }
+
     pub async fn pending(&self) -> Result<i64> {
         Ok(self
             .client

@@ -21,6 +21,8 @@ pub struct RelaySettings {
     pub confirm_window: usize,
     pub poll_interval: String,
     pub listen: bool,
+    /// The relay's --retention, when set.
+    pub retention: Option<String>,
 }
 
 impl RelaySettings {
@@ -32,7 +34,10 @@ impl RelaySettings {
             self.confirm_window,
             self.poll_interval,
             if self.listen { "LISTEN" } else { "--no-listen" }
-        )
+        ) + &self
+            .retention
+            .as_ref()
+            .map_or(String::new(), |r| format!(", retention {r}"))
     }
 }
 
@@ -88,9 +93,16 @@ impl Launcher {
             s.confirm_window.to_string(),
             "--poll-interval".into(),
             s.poll_interval.clone(),
+            // Any free port: several bench relays (scale-out) or a relay already running
+            // on this machine must not collide on the default one.
+            "--http-listen".into(),
+            "127.0.0.1:0".into(),
         ];
         if !s.listen {
             args.push("--no-listen".into());
+        }
+        if let Some(r) = &s.retention {
+            args.extend(["--retention".into(), r.clone()]);
         }
         let mut cmd = match &self.wrapper {
             Some(w) => {

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use crate::amqp::Ceiling;
 use crate::procfs::CpuSplit;
-use crate::sections::{CeilingRuns, Drain, Growth, Latency, ProducerCost, Settings, Sweep};
+use crate::sections::{CeilingRuns, Drain, Growth, Latency, ProducerCost, Scale, Settings, Sweep};
 use crate::stats::round3;
 use crate::svg;
 
@@ -63,6 +63,7 @@ pub struct Results {
     pub producer: Outcome<ProducerCost>,
     pub growth: Outcome<Growth>,
     pub sweep: Outcome<Sweep>,
+    pub scale: Outcome<Scale>,
 }
 
 /// One issue-6 target and how far the run is from it.
@@ -120,6 +121,10 @@ impl Results {
             self.growth.as_ref().and_then(|r| r.as_ref().err()),
         );
         add("sweep", self.sweep.as_ref().and_then(|r| r.as_ref().err()));
+        add(
+            "scale_out",
+            self.scale.as_ref().and_then(|r| r.as_ref().err()),
+        );
         out
     }
 
@@ -439,6 +444,18 @@ impl Results {
                             .join(", ")
                     ),
                 );
+                if let (Some((d, deleted)), Some(r)) = (&g.retained, g.retained_ratio()) {
+                    row(
+                        "5",
+                        "",
+                        &format!(
+                            "the same with --retention 1h deleting those rows meanwhile ({} deleted by the end of the drain)",
+                            thousands(*deleted as f64)
+                        ),
+                        format!("{} events/s", thousands(d.rate)),
+                        format!("{r:.2} of empty table"),
+                    );
+                }
                 row(
                     "5",
                     "",
@@ -508,6 +525,32 @@ impl Results {
         }
         o.push('\n');
 
+        if let Some(sc) = ok(&self.scale) {
+            let _ = writeln!(
+                o,
+                "Scale-out: a backlog of {} events drained by several relays started together (each next to a fresh broker ceiling):\n",
+                thousands(sc.events as f64)
+            );
+            let _ = writeln!(
+                o,
+                "| relays | drain events/s | broker ceiling | ratio to ceiling | ratio to one relay | duplicates |"
+            );
+            let _ = writeln!(o, "|---|---|---|---|---|---|");
+            let one = sc.points.iter().find(|p| p.relays == 1).map(|p| p.ratio());
+            for p in &sc.points {
+                let _ = writeln!(
+                    o,
+                    "| {} | {} | {} | {:.2} | {} | {} |",
+                    p.relays,
+                    thousands(p.rate),
+                    thousands(p.ceiling.rate),
+                    p.ratio(),
+                    one.map_or("-".into(), |r| format!("{:.2}", p.ratio() / r)),
+                    p.duplicates
+                );
+            }
+            o.push('\n');
+        }
         if let Some(sw) = ok(&self.sweep) {
             let _ = writeln!(
                 o,
@@ -689,6 +732,11 @@ impl Results {
                         "empty": g.empty.iter().map(drain_json).collect::<Vec<_>>(),
                         "loaded": g.loaded.iter().map(drain_json).collect::<Vec<_>>(),
                         "ratio": round3(g.ratio()),
+                        "with_retention": g.retained.as_ref().map(|(d, deleted)| json!({
+                            "drain": drain_json(d),
+                            "deleted_during_drain": deleted,
+                            "ratio": g.retained_ratio().map(round3),
+                        })),
                     })
                 })
                 .map_err(Clone::clone)
@@ -720,6 +768,25 @@ impl Results {
                                 "ceiling_rate": p.ceiling.rate.round(),
                                 "ratio_to_ceiling": round3(p.ratio()),
                                 "peak_rss_mib": round3(mb(p.drain.usage.peak_rss_kib)),
+                            })
+                        }).collect::<Vec<_>>(),
+                    })
+                })
+                .map_err(Clone::clone)
+        });
+        let scale = self.scale.as_ref().map(|r| {
+            r.as_ref()
+                .map(|sc| {
+                    json!({
+                        "events": sc.events,
+                        "points": sc.points.iter().map(|p| {
+                            json!({
+                                "relays": p.relays,
+                                "seconds": round3(p.seconds),
+                                "rate": p.rate.round(),
+                                "ceiling_rate": p.ceiling.rate.round(),
+                                "ratio_to_ceiling": round3(p.ratio()),
+                                "duplicates": p.duplicates,
                             })
                         }).collect::<Vec<_>>(),
                     })
@@ -759,6 +826,8 @@ impl Results {
                 "sweep_batches": s.sweep_batches,
                 "sweep_channels": s.sweep_channels,
                 "sweep_events": s.sweep_events,
+                "scale_relays": s.scale_relays,
+                "scale_events": s.scale_events,
             },
             "broker_ceiling": section(&ceiling),
             "drain": section(&drain),
@@ -767,6 +836,7 @@ impl Results {
             "growth": section(&growth),
             "relay_resources": section(&resources),
             "sweep": section(&sweep),
+            "scale_out": section(&scale),
             "targets": self.targets().iter().map(|t| json!({
                 "name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met,
             })).collect::<Vec<_>>(),

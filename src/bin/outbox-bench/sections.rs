@@ -51,6 +51,8 @@ pub struct Settings {
     pub sweep_batches: Vec<usize>,
     pub sweep_channels: Vec<usize>,
     pub sweep_events: u64,
+    pub scale_relays: Vec<usize>,
+    pub scale_events: u64,
 }
 
 impl Ctx {
@@ -878,6 +880,9 @@ pub struct Growth {
     pub loaded: Vec<Drain>,
     /// Drains of an empty table, each right after a loaded one.
     pub empty: Vec<Drain>,
+    /// A last drain with the dispatched rows in the table while the relay's `--retention`
+    /// deletes them, and how many it deleted by the end of that drain.
+    pub retained: Option<(Drain, i64)>,
 }
 
 fn mean_rate(d: &[Drain]) -> f64 {
@@ -896,6 +901,11 @@ impl Growth {
     pub fn ratio(&self) -> f64 {
         self.loaded_rate() / self.empty_rate()
     }
+
+    /// The drain while retention deletes the history, against the empty table's.
+    pub fn retained_ratio(&self) -> Option<f64> {
+        Some(self.retained.as_ref()?.0.rate / self.empty_rate())
+    }
 }
 
 /// Rounds of: the drain with `growth_rows` dispatched rows already in the table (a new
@@ -911,6 +921,7 @@ pub async fn growth(ctx: &Ctx) -> Result<Growth> {
             history_s,
             loaded: Vec::new(),
             empty: Vec::new(),
+            retained: None,
         };
         for round in 0..s.growth_rounds.max(1) {
             if round > 0 {
@@ -929,6 +940,23 @@ pub async fn growth(ctx: &Ctx) -> Result<Growth> {
                 out.empty[round].rate
             );
         }
+        // Then once more with retention on: the relay deletes the history (dispatched a
+        // day ago) in batches while it drains the new backlog.
+        big.after_id = big.db.max_id().await?;
+        let first = s.growth_rows + out.loaded.len() as u64 * s.events;
+        big.db.insert_backlog(first, s.events, s.keys).await?;
+        let before = big.db.old_dispatched().await?;
+        let settings = RelaySettings {
+            retention: Some("1h".into()),
+            ..s.relay.clone()
+        };
+        let d = drain_keep(ctx, &big, &settings, false).await?;
+        let deleted = before - big.db.old_dispatched().await?;
+        eprintln!(
+            "outbox-bench: growth with retention: {:.0} events/s, {deleted} old rows deleted meanwhile",
+            d.rate
+        );
+        out.retained = Some((d, deleted));
         Ok::<_, anyhow::Error>(out)
     }
     .await;
@@ -992,4 +1020,104 @@ pub async fn sweep(ctx: &Ctx, bodies: Arc<Vec<String>>) -> Result<Sweep> {
         }
     }
     Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------
+// 7. Scale-out: the same backlog drained by one, two and three relays
+
+#[derive(Clone, Debug)]
+pub struct ScalePoint {
+    pub relays: usize,
+    /// The broker ceiling measured just before this drain.
+    pub ceiling: Ceiling,
+    /// From starting the relays to every row dispatched and every message queued.
+    pub seconds: f64,
+    pub rate: f64,
+    /// Messages queued beyond one per event (partition hand-overs may republish a few).
+    pub duplicates: u64,
+}
+
+impl ScalePoint {
+    pub fn ratio(&self) -> f64 {
+        self.rate / self.ceiling.rate
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Scale {
+    pub events: u64,
+    pub points: Vec<ScalePoint>,
+}
+
+/// For each relay count: a fresh backlog, a fresh broker ceiling, then that many relay
+/// processes started together on the backlog, timed until every row is dispatched and
+/// every message queued. On one small machine the relays share its cores with Postgres
+/// and RabbitMQ, so this shows what sharing costs or gains here, not what more machines
+/// would give.
+pub async fn scale_out(ctx: &Ctx, bodies: Arc<Vec<String>>) -> Result<Scale> {
+    let s = &ctx.s;
+    let mut out = Scale {
+        events: s.scale_events,
+        points: Vec::new(),
+    };
+    for &relays in &s.scale_relays {
+        let (backlog, _) = prepare_backlog(ctx, s.scale_events, 0).await?;
+        let ceiling = broker_ceiling(ctx, bodies.clone(), s.scale_events, s.relay.channels).await;
+        let drained = match &ceiling {
+            Ok(_) => shared_drain(ctx, &backlog, relays).await,
+            Err(_) => Ok((0.0, 0)),
+        };
+        ctx.admin.drop_db(&backlog.db.name).await;
+        let ceiling = ceiling?;
+        let (seconds, duplicates) = drained?;
+        let rate = s.scale_events as f64 / seconds;
+        eprintln!(
+            "outbox-bench: scale {relays} relay(s): {rate:.0} events/s, ceiling {:.0}",
+            ceiling.rate
+        );
+        out.points.push(ScalePoint {
+            relays,
+            ceiling,
+            seconds,
+            rate,
+            duplicates,
+        });
+    }
+    Ok(out)
+}
+
+/// Runs `relays` relay processes on the backlog; returns seconds to drain and duplicates.
+async fn shared_drain(ctx: &Ctx, backlog: &Backlog, relays: usize) -> Result<(f64, u64)> {
+    let broker = BenchBroker::new(&ctx.amqp, &ctx.tag("scale")).await?;
+    let result = async {
+        let (db, n) = (&backlog.db, backlog.events);
+        let started = Instant::now();
+        let mut procs = (0..relays)
+            .map(|i| {
+                let name = format!("{}-scale{relays}-{i}", db.name);
+                ctx.start_relay(&name, db, &broker, &ctx.s.relay)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let limit = Duration::from_secs(60 + n / 200);
+        let deadline = started + limit;
+        while !(db.pending().await? == 0 && u64::from(broker.depth().await?) >= n) {
+            for p in &mut procs {
+                p.check_alive()?;
+            }
+            if Instant::now() > deadline {
+                bail!("timed out after {limit:?} waiting for {relays} relays to drain");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        for p in procs {
+            p.stop()?;
+        }
+        let depth = u64::from(broker.depth().await?);
+        Ok((seconds, depth.saturating_sub(n)))
+    }
+    .await;
+    broker.purge().await.ok();
+    broker.delete().await;
+    result
 }
