@@ -25,9 +25,9 @@
 --
 -- Every function of the relay and the consumer kit is SECURITY INVOKER: it runs with the
 -- caller's privileges, so each role gets exactly what its functions touch, and PUBLIC's
--- default EXECUTE on those functions is revoked. Three pure helpers stay executable by
+-- default EXECUTE on those functions is revoked. Four pure helpers stay executable by
 -- everyone (outbox_headers_allowed, used by a CHECK constraint; outbox_partition_of;
--- outbox_claim_lock_key): they read no table.
+-- outbox_claim_lock_key; outbox_uuid_v7, the event_id default): they read no table.
 --
 -- Migrations are not the relay role's job: run `outbox-relay migrate` as the owner, and
 -- `outbox-relay run --no-migrate` as the relay role (without --no-migrate it exits 1 with

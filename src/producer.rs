@@ -114,7 +114,7 @@ pub struct Outbox {
 
 const INSERT_MANY: &str = "
 WITH src AS MATERIALIZED (
-    SELECT gen_random_uuid() AS event_id, u.*
+    SELECT {schema}.outbox_uuid_v7() AS event_id, u.*
       FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[],
                   $7::timestamptz[], $8::text[], $9::text[])
            WITH ORDINALITY AS u(aggregate_type, aggregate_id, event_type, payload, headers,

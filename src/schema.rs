@@ -35,6 +35,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_consumer.sql",
         sql: include_str!("../sql/0003_consumer.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_event_ids.sql",
+        sql: include_str!("../sql/0004_event_ids.sql"),
+    },
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -110,3 +110,57 @@ async fn a_custom_schema_works_end_to_end() {
     relay.stop().await;
     check(&[id], &broker.received()).assert_clean();
 }
+
+/// Event ids default to UUIDv7 whichever way a row is written (plain INSERT,
+/// `outbox_enqueue`, the Rust producer): version 7, RFC variant, and the first 48 bits are
+/// the millisecond the id was made, so later rows sort after earlier ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_ids_are_time_ordered_uuid_v7() {
+    use outbox_relay::producer::{NewEvent, Outbox};
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let before = now_ms();
+    let plain: uuid::Uuid = client
+        .query_one(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('o', '1', 'e', '{}') RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let enqueued: uuid::Uuid = client
+        .query_one("SELECT outbox_enqueue('o', '1', 'e', '{}')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let produced = Outbox::new("public")
+        .unwrap()
+        .enqueue(
+            &client,
+            &NewEvent::new("o", "1", "e", serde_json::json!({})),
+        )
+        .await
+        .unwrap();
+    let after = now_ms();
+    let mut stamps = Vec::new();
+    for id in [plain, enqueued, produced] {
+        assert_eq!(id.get_version_num(), 7, "{id}");
+        assert_eq!(id.get_variant(), uuid::Variant::RFC4122, "{id}");
+        let b = id.as_bytes();
+        let ms = u64::from_be_bytes([0, 0, b[0], b[1], b[2], b[3], b[4], b[5]]);
+        // One clock (same machine); a second of slack for the server's clock reading.
+        assert!(
+            ms + 1_000 >= before && ms <= after + 1_000,
+            "{id}: {ms} not within [{before}, {after}]"
+        );
+        stamps.push(ms);
+    }
+    assert!(stamps.is_sorted(), "made one after the other: {stamps:?}");
+}
