@@ -56,6 +56,38 @@ pub struct Delivery {
     pub seq: Option<i64>,
 }
 
+impl Delivery {
+    /// What the checker needs of a message as the relay published it: message_id, the key
+    /// headers and `x-outbox-seq`. Missing fields stay empty (the checker then reports the
+    /// message as unexpected).
+    pub fn from_amqp(properties: &lapin::BasicProperties) -> Delivery {
+        use lapin::types::AMQPValue;
+        let h = properties.headers().clone().unwrap_or_default();
+        let text = |name: &str| match h.inner().get(name) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            Some(AMQPValue::ShortString(s)) => s.as_str().to_owned(),
+            _ => String::new(),
+        };
+        let seq = match h.inner().get("x-outbox-seq") {
+            Some(AMQPValue::LongLongInt(n)) => Some(*n),
+            Some(AMQPValue::LongInt(n)) => Some(i64::from(*n)),
+            _ => None,
+        };
+        Delivery {
+            event_id: properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str().to_owned())
+                .unwrap_or_default(),
+            key: (
+                text("x-outbox-aggregate-type"),
+                text("x-outbox-aggregate-id"),
+            ),
+            seq,
+        }
+    }
+}
+
 /// `committed`: the event ids that committed. `received`: deliveries in arrival order.
 pub fn check(committed: &[uuid::Uuid], received: &[Delivery]) -> Report {
     let committed_set: HashSet<String> = committed.iter().map(|u| u.to_string()).collect();

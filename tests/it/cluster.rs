@@ -202,14 +202,6 @@ async fn dispatches_go_on(client: &tokio_postgres::Client, from: i64, more: i64,
     .await;
 }
 
-fn header_str(h: &FieldTable, name: &str) -> String {
-    match h.inner().get(name) {
-        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        Some(AMQPValue::ShortString(s)) => s.as_str().to_owned(),
-        _ => String::new(),
-    }
-}
-
 /// Everything in `queue`, read through `url` until every id in `expect` has come.
 async fn read_queue(url: &str, queue: &str, expect: &HashSet<String>) -> Vec<Delivery> {
     let conn = AmqpTarget::parse(url)
@@ -234,24 +226,9 @@ async fn read_queue(url: &str, queue: &str, expect: &HashSet<String>) -> Vec<Del
     let sink = got.clone();
     let reader = tokio::spawn(async move {
         while let Some(Ok(d)) = consumer.next().await {
-            let h = d.properties.headers().clone().unwrap_or_default();
-            let seq = match h.inner().get("x-outbox-seq") {
-                Some(AMQPValue::LongLongInt(n)) => Some(*n),
-                _ => None,
-            };
-            sink.lock().unwrap().push(Delivery {
-                event_id: d
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|s| s.as_str().to_owned())
-                    .unwrap_or_default(),
-                key: (
-                    header_str(&h, "x-outbox-aggregate-type"),
-                    header_str(&h, "x-outbox-aggregate-id"),
-                ),
-                seq,
-            });
+            sink.lock()
+                .unwrap()
+                .push(Delivery::from_amqp(&d.properties));
             let _ = d.ack(BasicAckOptions::default()).await;
         }
     });

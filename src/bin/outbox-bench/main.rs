@@ -251,67 +251,6 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn relay_bin(args: &Args) -> Result<PathBuf> {
-    if let Some(p) = &args.relay_bin {
-        return Ok(p.clone());
-    }
-    let me = std::env::current_exe().context("where is this binary")?;
-    let bin = me.with_file_name("outbox-relay");
-    // `cargo run --bin outbox-bench` builds only the bench: build the relay of the same
-    // profile too, so a run never measures a missing or stale relay. Cargo sets CARGO and
-    // CARGO_MANIFEST_DIR for the programs it runs.
-    if let (Ok(cargo), Ok(dir)) = (std::env::var("CARGO"), std::env::var("CARGO_MANIFEST_DIR")) {
-        let profile = me
-            .parent()
-            .and_then(|p| p.file_name())
-            .and_then(|n| n.to_str())
-            .unwrap_or("debug");
-        let mut cmd = std::process::Command::new(cargo);
-        cmd.current_dir(dir)
-            .args(["build", "--bin", "outbox-relay"]);
-        // Cargo gives the programs it runs the bench package's own variables. Build
-        // scripts (ring's) watch some of them with rerun-if-env-changed, so passing them on
-        // would rebuild dependencies here and again at the next plain `cargo build`.
-        for (name, _) in std::env::vars_os() {
-            let Some(name) = name.to_str() else { continue };
-            if name.starts_with("CARGO_PKG_")
-                || [
-                    "CARGO_MANIFEST_DIR",
-                    "CARGO_MANIFEST_PATH",
-                    "CARGO_MANIFEST_LINKS",
-                    "CARGO_CRATE_NAME",
-                    "CARGO_BIN_NAME",
-                    "CARGO_PRIMARY_PACKAGE",
-                ]
-                .contains(&name)
-            {
-                cmd.env_remove(name);
-            }
-        }
-        match profile {
-            "debug" => {}
-            "release" => {
-                cmd.arg("--release");
-            }
-            other => {
-                cmd.args(["--profile", other]);
-            }
-        }
-        note(&format!("building outbox-relay ({profile})"));
-        let status = cmd.status().context("run cargo build")?;
-        if !status.success() {
-            anyhow::bail!("cargo build --bin outbox-relay failed");
-        }
-    }
-    if !bin.exists() {
-        anyhow::bail!(
-            "{} not found: build it (cargo build --release --bins) or pass --relay-bin",
-            bin.display()
-        );
-    }
-    Ok(bin)
-}
-
 fn note(what: &str) {
     eprintln!("outbox-bench: {what}");
 }
@@ -338,7 +277,11 @@ async fn run(args: Args) -> Result<bool> {
         .clone()
         .unwrap_or_else(|| PathBuf::from("target/outbox-bench"));
     let launcher = Launcher {
-        bin: relay_bin(&args)?,
+        bin: outbox_relay::testkit::relay_binary::relay_binary(
+            args.relay_bin.as_deref(),
+            "outbox-bench",
+        )
+        .map_err(anyhow::Error::msg)?,
         wrapper: args.relay_wrapper.clone(),
         amqp_url: args.amqp_url.clone(),
         log_dir: work_dir,

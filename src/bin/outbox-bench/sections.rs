@@ -89,11 +89,11 @@ impl Ctx {
 }
 
 /// Polls `check` every 20 ms until it returns true; fails after `limit` with `what`.
-/// `relay` (when given) is checked for an early exit on each round.
+/// Each of `relays` is checked for an early exit on each round.
 async fn wait_until<F, Fut>(
     what: &str,
     limit: Duration,
-    mut relay: Option<&mut RelayProcess>,
+    relays: &mut [RelayProcess],
     mut check: F,
 ) -> Result<()>
 where
@@ -105,7 +105,7 @@ where
         if check().await? {
             return Ok(());
         }
-        if let Some(r) = relay.as_deref_mut() {
+        for r in relays.iter_mut() {
             r.check_alive()?;
         }
         if Instant::now() > deadline {
@@ -278,7 +278,7 @@ async fn drain_inner(
     let queued = wait_until(
         "every message in the queue",
         limit,
-        Some(&mut relay),
+        std::slice::from_mut(&mut relay),
         || async move { Ok(u64::from(broker.depth().await?) >= n) },
     )
     .await;
@@ -287,7 +287,7 @@ async fn drain_inner(
             wait_until(
                 "every row dispatched",
                 limit,
-                Some(&mut relay),
+                std::slice::from_mut(&mut relay),
                 || async move { Ok(db.pending().await? == 0) },
             )
             .await
@@ -401,7 +401,7 @@ async fn latency_inner(
     wait_until(
         "the first event to arrive",
         Duration::from_secs(60),
-        Some(&mut relay),
+        std::slice::from_mut(&mut relay),
         || async move { Ok(seen.has_arrived(probe as u64)) },
     )
     .await?;
@@ -410,7 +410,7 @@ async fn latency_inner(
         wait_until(
             "the relay to go idle",
             Duration::from_secs(30),
-            Some(&mut relay),
+            std::slice::from_mut(&mut relay),
             || async move { db.wakeup_wanted().await },
         )
         .await?;
@@ -430,7 +430,7 @@ async fn latency_inner(
     let arrived = wait_until(
         "every event to arrive",
         limit,
-        Some(&mut relay),
+        std::slice::from_mut(&mut relay),
         || async move { Ok(seen.arrived_count() > total) },
     )
     .await;
@@ -689,7 +689,7 @@ async fn producer_cost_inner(
     wait_until(
         "the first event to arrive",
         Duration::from_secs(60),
-        Some(&mut relay),
+        std::slice::from_mut(&mut relay),
         || async move { Ok(seen.has_arrived(samples as u64)) },
     )
     .await?;
@@ -697,7 +697,7 @@ async fn producer_cost_inner(
         wait_until(
             "the relay to go idle",
             Duration::from_secs(30),
-            Some(&mut relay),
+            std::slice::from_mut(&mut relay),
             || async move { db.wakeup_wanted().await },
         )
         .await?;
@@ -711,7 +711,7 @@ async fn producer_cost_inner(
     wait_until(
         "every wake-up event to arrive",
         Duration::from_secs(30),
-        Some(&mut relay),
+        std::slice::from_mut(&mut relay),
         || async move { Ok(seen.arrived_count() > samples) },
     )
     .await
@@ -722,7 +722,7 @@ async fn producer_cost_inner(
     wait_until(
         "the relay to go idle",
         Duration::from_secs(30),
-        Some(&mut relay),
+        std::slice::from_mut(&mut relay),
         || async move { db.wakeup_wanted().await },
     )
     .await?;
@@ -742,7 +742,7 @@ async fn producer_cost_inner(
     wait_until(
         "the relay to turn the wake-up off",
         Duration::from_secs(30),
-        Some(&mut relay),
+        std::slice::from_mut(&mut relay),
         || async move { Ok(!db.wakeup_wanted().await?) },
     )
     .await?;
@@ -1062,14 +1062,14 @@ pub async fn scale_out(ctx: &Ctx, bodies: Arc<Vec<String>>) -> Result<Scale> {
     };
     for &relays in &s.scale_relays {
         let (backlog, _) = prepare_backlog(ctx, s.scale_events, 0).await?;
-        let ceiling = broker_ceiling(ctx, bodies.clone(), s.scale_events, s.relay.channels).await;
-        let drained = match &ceiling {
-            Ok(_) => shared_drain(ctx, &backlog, relays).await,
-            Err(_) => Ok((0.0, 0)),
-        };
+        let measured = async {
+            let ceiling =
+                broker_ceiling(ctx, bodies.clone(), s.scale_events, s.relay.channels).await?;
+            Ok::<_, anyhow::Error>((ceiling, shared_drain(ctx, &backlog, relays).await?))
+        }
+        .await;
         ctx.admin.drop_db(&backlog.db.name).await;
-        let ceiling = ceiling?;
-        let (seconds, duplicates) = drained?;
+        let (ceiling, (seconds, duplicates)) = measured?;
         let rate = s.scale_events as f64 / seconds;
         eprintln!(
             "outbox-bench: scale {relays} relay(s): {rate:.0} events/s, ceiling {:.0}",
@@ -1098,17 +1098,14 @@ async fn shared_drain(ctx: &Ctx, backlog: &Backlog, relays: usize) -> Result<(f6
                 ctx.start_relay(&name, db, &broker, &ctx.s.relay)
             })
             .collect::<Result<Vec<_>>>()?;
-        let limit = Duration::from_secs(60 + n / 200);
-        let deadline = started + limit;
-        while !(db.pending().await? == 0 && u64::from(broker.depth().await?) >= n) {
-            for p in &mut procs {
-                p.check_alive()?;
-            }
-            if Instant::now() > deadline {
-                bail!("timed out after {limit:?} waiting for {relays} relays to drain");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let broker = &broker;
+        wait_until(
+            "every row dispatched and queued",
+            Duration::from_secs(60 + n / 200),
+            &mut procs,
+            || async move { Ok(db.pending().await? == 0 && u64::from(broker.depth().await?) >= n) },
+        )
+        .await?;
         let seconds = started.elapsed().as_secs_f64();
         for p in procs {
             p.stop()?;

@@ -410,53 +410,6 @@ fn percentile(sorted: &[i64], p: f64) -> Option<i64> {
     Some(sorted[i])
 }
 
-/// `cargo run --bin outbox-soak` builds only the soak: build the relay of the same profile
-/// too, so a run never soaks a missing or stale relay. Cargo sets CARGO and
-/// CARGO_MANIFEST_DIR for the programs it runs; run directly, nothing is built.
-fn build_relay_under_cargo_run(exe: &std::path::Path) -> anyhow::Result<()> {
-    let (Ok(cargo), Ok(dir)) = (std::env::var("CARGO"), std::env::var("CARGO_MANIFEST_DIR")) else {
-        return Ok(());
-    };
-    let profile = exe
-        .parent()
-        .and_then(|p| p.file_name())
-        .and_then(|n| n.to_str())
-        .unwrap_or("debug");
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.current_dir(dir)
-        .args(["build", "--bin", "outbox-relay"]);
-    match profile {
-        "debug" => {}
-        "release" => {
-            cmd.arg("--release");
-        }
-        other => {
-            cmd.args(["--profile", other]);
-        }
-    }
-    // The soak package's own variables would make build scripts that watch them
-    // (rerun-if-env-changed) rebuild here and again at the next plain `cargo build`.
-    for (name, _) in std::env::vars() {
-        if name.starts_with("CARGO_PKG_")
-            || name.starts_with("CARGO_MANIFEST_")
-            || [
-                "CARGO_CRATE_NAME",
-                "CARGO_BIN_NAME",
-                "CARGO_PRIMARY_PACKAGE",
-            ]
-            .contains(&name.as_str())
-        {
-            cmd.env_remove(name);
-        }
-    }
-    eprintln!("soak: building outbox-relay ({profile})");
-    anyhow::ensure!(
-        cmd.status()?.success(),
-        "cargo build --bin outbox-relay failed"
-    );
-    Ok(())
-}
-
 /// Runs the soak; true when the verdict is PASS.
 pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
     let shape = Shape {
@@ -488,13 +441,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<bool> {
         .parent()
         .expect("a binary lives in a directory")
         .to_owned();
-    let relay_bin = match &args.relay_bin {
-        Some(p) => p.clone(),
-        None => {
-            build_relay_under_cargo_run(&exe)?;
-            exe_dir.join("outbox-relay")
-        }
-    };
+    let relay_bin =
+        outbox_relay::testkit::relay_binary::relay_binary(args.relay_bin.as_deref(), "soak")
+            .map_err(anyhow::Error::msg)?;
     anyhow::ensure!(
         relay_bin.exists(),
         "{} not found: build it first (cargo build --release --bins) or pass --relay-bin",

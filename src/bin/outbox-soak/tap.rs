@@ -26,14 +26,6 @@ pub struct Tap {
     stop: CancellationToken,
 }
 
-fn header_str(h: &FieldTable, name: &str) -> String {
-    match h.inner().get(name) {
-        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        Some(AMQPValue::ShortString(s)) => s.as_str().to_owned(),
-        _ => String::new(),
-    }
-}
-
 /// Declares the exchange as the relay does (durable topic), so the tap can bind before the
 /// first relay starts.
 pub async fn declare_exchange(conn: &Connection, exchange: &str) -> anyhow::Result<()> {
@@ -97,25 +89,9 @@ impl Tap {
                     eprintln!("soak: the tap's consumer ended; deliveries after this are not seen");
                     return;
                 };
-                let p = &d.properties;
-                let h = p.headers().clone().unwrap_or_default();
-                let seq = match h.inner().get("x-outbox-seq") {
-                    Some(AMQPValue::LongLongInt(n)) => Some(*n),
-                    Some(AMQPValue::LongInt(n)) => Some(*n as i64),
-                    _ => None,
-                };
-                sink.lock().unwrap().push(Delivery {
-                    event_id: p
-                        .message_id()
-                        .as_ref()
-                        .map(|s| s.as_str().to_owned())
-                        .unwrap_or_default(),
-                    key: (
-                        header_str(&h, "x-outbox-aggregate-type"),
-                        header_str(&h, "x-outbox-aggregate-id"),
-                    ),
-                    seq,
-                });
+                sink.lock()
+                    .unwrap()
+                    .push(Delivery::from_amqp(&d.properties));
                 let _ = d.ack(BasicAckOptions::default()).await;
             }
         });
