@@ -202,7 +202,7 @@ async fn readiness_follows_the_broker_connection() {
     let committed = db.insert(&client, 50, 5).await;
     proxy.set(Mode::Pass);
     wait_for("ready again", Duration::from_secs(30), || ready(200)).await;
-    broker.wait_count(50, Duration::from_secs(30)).await;
+    broker.wait_all(&committed, Duration::from_secs(30)).await;
     assert!(
         served
             .metric("outbox_reconnects_total{target=\"rabbitmq\"}")
@@ -606,10 +606,10 @@ async fn the_relay_fails_over_to_the_next_broker_url() {
     let served = Served::start(&db, amqp, test_config(&broker), None).await;
     let client = db.client().await;
     let mut committed = db.insert(&client, 20, 2).await;
-    broker.wait_count(20, Duration::from_secs(30)).await;
+    broker.wait_all(&committed, Duration::from_secs(30)).await;
     first.set(Mode::Cut);
     committed.extend(db.insert(&client, 20, 2).await);
-    broker.wait_count(40, Duration::from_secs(30)).await;
+    broker.wait_all(&committed, Duration::from_secs(30)).await;
     assert!(
         served
             .metric("outbox_reconnects_total{target=\"rabbitmq\"}")

@@ -167,7 +167,7 @@ async fn rows_committed_while_stopped_are_published_on_start() {
     let client = db.client().await;
     let committed = db.insert(&client, 300, 7).await;
     let relay = InProcessRelay::start(&db, test_config(&broker));
-    broker.wait_count(300, Duration::from_secs(30)).await;
+    broker.wait_all(&committed, Duration::from_secs(30)).await;
     relay.stop().await;
     check(&committed, &broker.received()).assert_clean();
 }

@@ -194,7 +194,7 @@ async fn relay_and_producer_run_under_their_roles() {
     committed.extend(plain);
     assert_eq!(committed.len(), 150);
 
-    broker.wait_count(150, Duration::from_secs(60)).await;
+    broker.wait_all(&committed, Duration::from_secs(60)).await;
     let parked_id: i64 = wait_for("the unroutable row parked", Duration::from_secs(30), || {
         let admin = &admin;
         async move {
@@ -229,7 +229,7 @@ async fn relay_and_producer_run_under_their_roles() {
     .await;
     assert_eq!(code, 0, "redrive as the relay role: {out}{err}");
     committed.push(parked_event);
-    broker.wait_count(151, Duration::from_secs(30)).await;
+    broker.wait_all(&committed, Duration::from_secs(30)).await;
     wait_for("every row dispatched", Duration::from_secs(30), || async {
         (db.count(&admin, "dispatched_at IS NULL").await == 0).then_some(())
     })

@@ -151,24 +151,14 @@ struct Args {
 impl Args {
     fn settings(&self) -> Settings {
         let smoke = self.smoke;
-        let pick = |v: &Vec<u64>, full: &[u64], small: &[u64]| {
-            if !v.is_empty() {
-                v.clone()
-            } else if smoke {
-                small.to_vec()
-            } else {
-                full.to_vec()
+        // A list option: what was given, else the full or the smoke default.
+        fn pick<T: Clone>(given: &[T], full: &[T], small: &[T], smoke: bool) -> Vec<T> {
+            match (given.is_empty(), smoke) {
+                (false, _) => given.to_vec(),
+                (true, true) => small.to_vec(),
+                (true, false) => full.to_vec(),
             }
-        };
-        let pick_usize = |v: &Vec<usize>, full: &[usize], small: &[usize]| {
-            if !v.is_empty() {
-                v.clone()
-            } else if smoke {
-                small.to_vec()
-            } else {
-                full.to_vec()
-            }
-        };
+        }
         let size =
             |v: Option<u64>, full: u64, small: u64| v.unwrap_or(if smoke { small } else { full });
         let secs =
@@ -188,7 +178,7 @@ impl Args {
                 listen: true,
                 retention: None,
             },
-            latency_rates: pick(&self.latency_rates, &[1_000, 5_000], &[200, 1_000]),
+            latency_rates: pick(&self.latency_rates, &[1_000, 5_000], &[200, 1_000], smoke),
             latency_secs: secs(self.latency_secs, 30.0, 1.0),
             latency_warmup_secs: if smoke { 0.0 } else { 1.0 },
             latency_producers: 8,
@@ -199,14 +189,15 @@ impl Args {
             wakeup_spacing: Duration::from_millis(if smoke { 20 } else { 100 }),
             growth_rows: size(self.growth_rows, 5_000_000, 20_000),
             growth_rounds: self.growth_rounds.unwrap_or(if smoke { 1 } else { 2 }),
-            sweep_batches: pick_usize(
+            sweep_batches: pick(
                 &self.sweep_batches,
                 &[100, 250, 500, 1_000, 2_000],
                 &[100, 500],
+                smoke,
             ),
-            sweep_channels: pick_usize(&self.sweep_channels, &[1, 2, 4], &[1, 2]),
+            sweep_channels: pick(&self.sweep_channels, &[1, 2, 4], &[1, 2], smoke),
             sweep_events: size(self.sweep_events, 50_000, 1_000),
-            scale_relays: pick_usize(&self.scale_relays, &[1, 2, 3], &[1, 2]),
+            scale_relays: pick(&self.scale_relays, &[1, 2, 3], &[1, 2], smoke),
             scale_events: size(self.scale_events, 100_000, 1_000),
         }
     }
