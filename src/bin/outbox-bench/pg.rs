@@ -234,6 +234,11 @@ pub struct PgCounters {
     /// Dead row versions in the table at the later reading (not a difference).
     pub dead_tup: i64,
     pub autovacuums: i64,
+    /// Checkpoints started, whole cluster (the bench is its only busy user).
+    pub checkpoints: i64,
+    /// WAL written, whole cluster: bytes and full-page images.
+    pub wal_bytes: i64,
+    pub wal_fpi: i64,
 }
 
 impl PgCounters {
@@ -251,6 +256,9 @@ impl PgCounters {
             pending_idx_blks: self.pending_idx_blks - before.pending_idx_blks,
             dead_tup: self.dead_tup,
             autovacuums: self.autovacuums - before.autovacuums,
+            checkpoints: self.checkpoints - before.checkpoints,
+            wal_bytes: self.wal_bytes - before.wal_bytes,
+            wal_fpi: self.wal_fpi - before.wal_fpi,
         }
     }
 }
@@ -265,7 +273,9 @@ const PG_COUNTERS: &str = "SELECT
     coalesce((SELECT total_time FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0)::float8,
     coalesce((SELECT idx_blks_hit + idx_blks_read FROM pg_statio_user_indexes
                WHERE indexrelname = 'outbox_events_pending'), 0),
-    t.n_dead_tup, t.autovacuum_count
+    t.n_dead_tup, t.autovacuum_count,
+    (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter),
+    (SELECT wal_bytes::bigint FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal)
   FROM pg_stat_user_tables t JOIN pg_statio_user_tables io USING (relid)
  WHERE t.relname = 'outbox_events'";
 
@@ -441,6 +451,9 @@ impl BenchDb {
             pending_idx_blks: r.get(9),
             dead_tup: r.get(10),
             autovacuums: r.get(11),
+            checkpoints: r.get(12),
+            wal_bytes: r.get(13),
+            wal_fpi: r.get(14),
         })
     }
 

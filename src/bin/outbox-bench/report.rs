@@ -890,12 +890,17 @@ fn pg_json(d: &Drain) -> Value {
         "heap_blocks_hit": p.heap_blks_hit,
         "index_blocks_read": p.idx_blks_read,
         "index_blocks_hit": p.idx_blks_hit,
+        "checkpoints_started": p.checkpoints,
+        "wal_bytes": p.wal_bytes,
+        "wal_full_page_images": p.wal_fpi,
         "per_100k_events": {
             "claim_s": per(p.claim_ms / 1000.0),
             "transactions": per(p.xact_commit as f64),
             "row_updates": per(p.tup_upd as f64),
             "index_blocks_read": per(p.idx_blks_read as f64),
             "index_blocks_hit": per(p.idx_blks_hit as f64),
+            "wal_bytes": per(p.wal_bytes as f64),
+            "wal_full_page_images": per(p.wal_fpi as f64),
         },
     })
 }
@@ -907,7 +912,8 @@ fn pg_line(d: &Drain) -> String {
     format!(
         "{} claims ({:.0} rows each, {:.1} ms each inside outbox_claim, {:.1} s per 100,000 events); \
          {} transactions; {} row updates ({:.0}% HOT, {:.1} per event); index blocks per 100,000 events: \
-         {} read from outside shared_buffers, {} hit",
+         {} read from outside shared_buffers, {} hit; WAL {:.1} KiB per event ({} full-page images per 100,000 events), \
+         {} checkpoints started",
         thousands(p.claim_calls as f64),
         d.events as f64 / p.claim_calls.max(1) as f64,
         p.claim_ms / p.claim_calls.max(1) as f64,
@@ -918,6 +924,9 @@ fn pg_line(d: &Drain) -> String {
         p.tup_upd as f64 / d.events as f64,
         thousands(per(p.idx_blks_read as f64)),
         thousands(per(p.idx_blks_hit as f64)),
+        p.wal_bytes as f64 / 1024.0 / d.events as f64,
+        thousands(per(p.wal_fpi as f64)),
+        p.checkpoints,
     )
 }
 
