@@ -40,6 +40,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_event_ids.sql",
         sql: include_str!("../sql/0004_event_ids.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_claim_plans.sql",
+        sql: include_str!("../sql/0005_claim_plans.sql"),
+    },
 ];
 
 #[derive(Debug, thiserror::Error)]
