@@ -45,6 +45,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0005_claim_plans.sql",
         sql: include_str!("../sql/0005_claim_plans.sql"),
     },
+    Migration {
+        version: 6,
+        name: "0006_claim_held.sql",
+        sql: include_str!("../sql/0006_claim_held.sql"),
+    },
 ];
 
 #[derive(Debug, thiserror::Error)]

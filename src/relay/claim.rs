@@ -89,9 +89,11 @@ pub struct ClaimRequest<'a> {
     /// Keys to continue whatever the cursor: their earlier rows were published and more
     /// may be waiting.
     pub keys: &'a [Key],
+    /// Rows the relay holds: left out (they go out before anything new of their key).
+    pub held: &'a [i64],
 }
 
-const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
 pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbError> {
     let client = deadline(pool.get()).await?;
@@ -115,6 +117,7 @@ pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbErro
             &key_types,
             &key_ids,
             &req.before,
+            &req.held,
         ],
     ))
     .await?;

@@ -85,8 +85,19 @@ pub struct Hand {
     awaiting_mark: usize,
     bytes: usize,
     in_flight: usize,
-    /// Set while a claim is running: ids that left the hand meanwhile, and how.
-    claim_filter: Option<HashMap<i64, Left>>,
+    /// Set while a claim is running: what left the hand meanwhile.
+    claim_filter: Option<ClaimFilter>,
+}
+
+/// What left the hand while a claim ran (its snapshot may predate those writes).
+#[derive(Debug, Default)]
+struct ClaimFilter {
+    /// Ids that left, and how.
+    left: HashMap<i64, Left>,
+    /// Keys with a row dropped while still pending. The claim left out the rows the hand
+    /// held when it started, so it cannot show a dropped one: rows after it would be
+    /// added with a hole before them.
+    dropped_keys: HashSet<Key>,
 }
 
 /// How a row left the hand.
@@ -119,9 +130,11 @@ impl Hand {
         self.held.contains(&id)
     }
 
-    /// A claim is about to run: remember what leaves the hand until it returns.
-    pub fn claim_started(&mut self) {
-        self.claim_filter = Some(HashMap::new());
+    /// A claim is about to run: remember what leaves the hand until it returns. Returns
+    /// the ids held now, which the claim leaves out.
+    pub fn claim_started(&mut self) -> Vec<i64> {
+        self.claim_filter = Some(ClaimFilter::default());
+        self.held.iter().copied().collect()
     }
 
     /// Adds the rows a claim returned (each key's rows in publish order), skipping rows
@@ -137,10 +150,15 @@ impl Hand {
             if stopped.contains(&key) {
                 continue;
             }
-            if self.held.contains(&row.id) || filter.get(&row.id) == Some(&Left::Final) {
+            if filter.dropped_keys.contains(&key) {
+                stopped.insert(key);
                 continue;
             }
-            if filter.get(&row.id) == Some(&Left::Dropped) {
+            let left = filter.left.get(&row.id);
+            if self.held.contains(&row.id) || left == Some(&Left::Final) {
+                continue;
+            }
+            if left == Some(&Left::Dropped) {
                 // Pending but no longer ours to hold: adding the rows after it would
                 // publish them before it.
                 stopped.insert(key);
@@ -238,7 +256,7 @@ impl Hand {
 
     fn left(&mut self, id: i64, how: Left) {
         if let Some(f) = self.claim_filter.as_mut() {
-            f.insert(id, how);
+            f.left.insert(id, how);
         }
     }
 
@@ -328,6 +346,11 @@ impl Hand {
         } else {
             None
         };
+        if !queue.rows.is_empty()
+            && let Some(f) = self.claim_filter.as_mut()
+        {
+            f.dropped_keys.insert(key.clone());
+        }
         for row in queue.rows.drain(..) {
             self.forget(row.id, row.body_bytes, Left::Dropped);
         }
@@ -490,6 +513,25 @@ mod tests {
             2
         );
         assert_eq!(hand.next_ready(|_| true).unwrap().id, 5);
+    }
+
+    /// The claim leaves out the rows held when it starts. If one of them is dropped while
+    /// it runs, the result cannot show it, only the rows behind it: the key must still
+    /// stop, not take row 6 with row 5 missing before it.
+    #[test]
+    fn a_key_dropped_during_a_claim_that_left_its_held_rows_out_stops() {
+        let mut hand = Hand::default();
+        hand.claim_started();
+        hand.claim_returned(vec![row(5, "a", 5), row(8, "c", 1)], &none());
+        let mut held = hand.claim_started();
+        held.sort_unstable();
+        assert_eq!(held, vec![5, 8], "the claim is told what the hand holds");
+        hand.drop_partition(0);
+        let added = hand.claim_returned(vec![row(6, "a", 6), row(7, "b", 1)], &none());
+        assert_eq!(added.rows, 1);
+        assert_eq!(added.stopped, vec![key("a")]);
+        assert_eq!(hand.next_ready(|_| true).unwrap().id, 7);
+        assert!(hand.next_ready(|_| true).is_none());
     }
 
     /// A failure recorded for an attempt of a key that was dropped and claimed again must

@@ -234,7 +234,7 @@ const CHECK_AUTOVACUUM: &str = "SELECT current_setting('autovacuum') = 'on'
    AND NOT coalesce((SELECT 'autovacuum_enabled=false' = ANY (reloptions) FROM pg_class
                       WHERE oid = to_regclass('outbox_events')), false)";
 
-const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint,text[],text[],bigint)') IS NOT NULL";
+const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint,text[],text[],bigint,bigint[])') IS NOT NULL";
 
 /// [`run`] with an explicit identity (tests run several relays in one process).
 pub async fn run_as(
@@ -775,7 +775,7 @@ impl Engine {
         for k in &named {
             self.continue_keys.remove(k);
         }
-        self.hand.claim_started();
+        let held = self.hand.claim_started();
         let pool = self.deps.pool.clone();
         let relay_id = self.id.relay_id.clone();
         let block = self.cfg.on_park == OnPark::BlockKey;
@@ -792,6 +792,7 @@ impl Engine {
                     max_message_bytes: max_message,
                     max_bytes: bytes_room,
                     keys: &named,
+                    held: &held,
                 };
                 let result = claim::claim(&pool, req).await;
                 Done::Claim(ClaimMeta { limit, sweeping }, result)
