@@ -7,11 +7,12 @@
 //!   is settled; that is what keeps per-key order through failures.
 //! - A row stays "held" (and is filtered out of later claims) until its final write has
 //!   committed, so a claim racing with a mark never hands the same row back as new.
-//! - Rows that left the hand while a claim was running are remembered until that claim
-//!   returns (its snapshot may predate the write), then forgotten. A row that reached its
-//!   final state (marked, parked) is skipped in that claim's result; a row that was only
-//!   dropped (lease lost, key blocked) ends that key's part of the result, so a key's rows
-//!   never enter the hand with a hole before them.
+//! - Claims leave out the rows held when they start. What left the hand while a claim
+//!   was running is remembered until that claim returns (its snapshot may predate the
+//!   write), then forgotten: a row that reached its final state (marked, parked) is
+//!   skipped in that claim's result, and a key with a row that was only dropped (lease
+//!   lost, key blocked) gets none of that result's rows, so a key's rows never enter the
+//!   hand with a hole before them.
 //!
 //! No IO here: the engine in `relay/mod.rs` drives it and tests drive it directly.
 
@@ -92,21 +93,12 @@ pub struct Hand {
 /// What left the hand while a claim ran (its snapshot may predate those writes).
 #[derive(Debug, Default)]
 struct ClaimFilter {
-    /// Ids that left, and how.
-    left: HashMap<i64, Left>,
-    /// Keys with a row dropped while still pending. The claim left out the rows the hand
-    /// held when it started, so it cannot show a dropped one: rows after it would be
-    /// added with a hole before them.
+    /// Ids marked dispatched or parked: done, whatever the claim's snapshot says.
+    finished: HashSet<i64>,
+    /// Keys with a row dropped while still pending (lease lost, key blocked): someone
+    /// publishes it later. The claim left out the rows the hand held when it started, so
+    /// it cannot show a dropped one; rows after it would be added with a hole before them.
     dropped_keys: HashSet<Key>,
-}
-
-/// How a row left the hand.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Left {
-    /// Marked dispatched or parked: done.
-    Final,
-    /// Dropped while still pending (lease lost, key blocked): someone publishes it later.
-    Dropped,
 }
 
 impl Hand {
@@ -154,14 +146,7 @@ impl Hand {
                 stopped.insert(key);
                 continue;
             }
-            let left = filter.left.get(&row.id);
-            if self.held.contains(&row.id) || left == Some(&Left::Final) {
-                continue;
-            }
-            if left == Some(&Left::Dropped) {
-                // Pending but no longer ours to hold: adding the rows after it would
-                // publish them before it.
-                stopped.insert(key);
+            if self.held.contains(&row.id) || filter.finished.contains(&row.id) {
                 continue;
             }
             let partition = row.partition;
@@ -249,14 +234,14 @@ impl Hand {
             if self.held.remove(&id) {
                 self.awaiting_mark -= 1;
                 self.bytes -= bytes;
-                self.left(id, Left::Final);
+                self.finished(id);
             }
         }
     }
 
-    fn left(&mut self, id: i64, how: Left) {
+    fn finished(&mut self, id: i64) {
         if let Some(f) = self.claim_filter.as_mut() {
-            f.left.insert(id, how);
+            f.finished.insert(id);
         }
     }
 
@@ -298,7 +283,9 @@ impl Hand {
         };
         let row = queue.rows.pop_front().expect("head exists");
         queue.head = Head::Ready; // whatever is behind it has not been published
-        self.forget(row.id, row.body_bytes, Left::Final);
+        if self.forget(row.id, row.body_bytes) {
+            self.finished(row.id);
+        }
         if keep_going {
             self.advance(key)
         } else {
@@ -313,11 +300,13 @@ impl Hand {
         self.parked(key, id, true)
     }
 
-    fn forget(&mut self, id: i64, bytes: usize, how: Left) {
-        if self.held.remove(&id) {
+    /// The row leaves the hand; returns whether it was held.
+    fn forget(&mut self, id: i64, bytes: usize) -> bool {
+        let held = self.held.remove(&id);
+        if held {
             self.bytes -= bytes;
-            self.left(id, how);
         }
+        held
     }
 
     /// After the head left: the next row becomes ready, or the key leaves the hand.
@@ -352,7 +341,7 @@ impl Hand {
             f.dropped_keys.insert(key.clone());
         }
         for row in queue.rows.drain(..) {
-            self.forget(row.id, row.body_bytes, Left::Dropped);
+            self.forget(row.id, row.body_bytes);
         }
         if let Some(head) = head {
             // Its outcome is still coming; keep the key with just that row.
