@@ -105,12 +105,12 @@ REVOKE ALL ON TABLE
 -- outbox_claim and the operator commands read rows; --retention deletes dispatched ones.
 GRANT SELECT, DELETE ON :"schema".outbox_events TO :"relay_role";
 -- Only the columns the relay manages: it can never change what a producer wrote.
--- (mark: dispatched_at; outbox_claim: seq; outbox_record_failures: attempts, last_error,
+-- (mark: dispatched_at, seq; outbox_record_failures: attempts, last_error,
 -- parked_at, seq; outbox_redrive: parked_at, attempts, seq.)
 GRANT UPDATE (dispatched_at, attempts, last_error, parked_at, seq)
     ON :"schema".outbox_events TO :"relay_role";
--- outbox_claim: INSERT ... ON CONFLICT DO UPDATE of a key's last seq;
--- outbox_record_failures (--on-park block-key) rewinds it.
+-- outbox_claim: a key's last seq and its numbered rows (insert or update);
+-- outbox_record_failures (--on-park block-key) rewinds them; outbox_redrive edits them.
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_key_seq TO :"relay_role";
 -- outbox_lease / outbox_leave / outbox_claim: the 64 rows exist; only owners change.
 GRANT SELECT, UPDATE (owner, epoch, lease_until) ON :"schema".outbox_partitions TO :"relay_role";

@@ -50,6 +50,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0006_claim_held.sql",
         sql: include_str!("../sql/0006_claim_held.sql"),
     },
+    Migration {
+        version: 7,
+        name: "0007_claim_numbers.sql",
+        sql: include_str!("../sql/0007_claim_numbers.sql"),
+    },
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -162,19 +162,21 @@ pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbErro
     Ok(out)
 }
 
-const MARK: &str = "UPDATE outbox_events SET dispatched_at = now()
- WHERE id = ANY ($1) AND dispatched_at IS NULL AND parked_at IS NULL";
+const MARK: &str = "UPDATE outbox_events e SET dispatched_at = now(), seq = m.seq
+  FROM unnest($1::bigint[], $2::bigint[]) AS m(id, seq)
+ WHERE e.id = m.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL";
 
-/// Marks acked rows dispatched. Only [`Acked`] values (broker confirmations without a
-/// return) can be passed. Returns how many rows changed.
+/// Marks acked rows dispatched, writing the number each was published with (the claim
+/// kept it with the row's key until now). Only [`Acked`] values (broker confirmations
+/// without a return) can be passed. Returns how many rows changed.
 pub async fn mark_dispatched<'a>(
     pool: &Pool,
     acked: impl Iterator<Item = &'a Acked>,
 ) -> Result<u64, DbError> {
-    let ids: Vec<i64> = acked.map(Acked::row_id).collect();
+    let (ids, seqs): (Vec<i64>, Vec<i64>) = acked.map(|a| (a.row_id(), a.seq())).unzip();
     let client = deadline(pool.get()).await?;
     let stmt = deadline(client.prepare_cached(MARK)).await?;
-    deadline(client.execute(&stmt, &[&ids])).await
+    deadline(client.execute(&stmt, &[&ids, &seqs])).await
 }
 
 /// How a failed attempt counts.

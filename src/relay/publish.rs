@@ -235,12 +235,18 @@ async fn rpc<T>(
 #[derive(Debug)]
 pub struct Acked {
     row_id: i64,
+    seq: i64,
     body_bytes: usize,
 }
 
 impl Acked {
     pub fn row_id(&self) -> i64 {
         self.row_id
+    }
+
+    /// The number the row was published with (`x-outbox-seq`).
+    pub fn seq(&self) -> i64 {
+        self.seq
     }
 
     pub fn body_bytes(&self) -> usize {
@@ -294,6 +300,7 @@ impl fmt::Display for Refusal {
 /// A message ready to publish (lapin's types stay in this module).
 pub struct Prepared {
     row_id: i64,
+    seq: i64,
     key: Key,
     event_id: String,
     routing_key: ShortString,
@@ -419,6 +426,7 @@ pub fn prepare(
         .with_headers(headers);
     Ok(Prepared {
         row_id: row.id,
+        seq: row.seq,
         key: Key::of(row),
         event_id,
         routing_key: row.routing_key.as_str().into(),
@@ -627,6 +635,7 @@ impl Acked {
     fn of(p: &Pending) -> Acked {
         Acked {
             row_id: p.row_id,
+            seq: p.seq,
             body_bytes: p.body_bytes,
         }
     }
@@ -635,6 +644,7 @@ impl Acked {
 /// What a lane is waiting on for one publish.
 struct Pending {
     row_id: i64,
+    seq: i64,
     key: Key,
     event_id: String,
     body_bytes: usize,
@@ -797,6 +807,7 @@ impl Lane {
     async fn publish(&self, message: Prepared) -> Result<ConfirmFuture, String> {
         let Prepared {
             row_id,
+            seq,
             key,
             event_id,
             routing_key,
@@ -806,6 +817,7 @@ impl Lane {
         } = message;
         let pending = Pending {
             row_id,
+            seq,
             key,
             event_id,
             body_bytes,

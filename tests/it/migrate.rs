@@ -188,3 +188,87 @@ async fn the_claim_is_planned_with_each_calls_values() {
         "outbox_claim settings: {config:?}"
     );
 }
+
+/// Rows numbered by a claim before migration 0007 and still pending (a relay stopped
+/// after its claim) keep their numbers: the next claim returns them first, with the seqs
+/// they had, and numbers the key's new row after them; marking writes each row's number.
+#[tokio::test]
+async fn rows_numbered_before_0007_keep_their_numbers() {
+    let (_, target) = empty_db().await;
+    let schema = Schema::default();
+    let client = target.connect(&schema, "m").await.unwrap();
+    let apply = |m: &'static outbox_relay::schema::Migration| {
+        let client = &client;
+        async move {
+            client
+                .batch_execute(&format!("BEGIN; {} COMMIT;", m.sql))
+                .await
+                .unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        }
+    };
+    let (before, after): (Vec<_>, Vec<_>) = outbox_relay::schema::MIGRATIONS
+        .iter()
+        .partition(|m| m.version < 7);
+    for m in before {
+        apply(m).await;
+    }
+    client
+        .batch_execute(
+            "UPDATE outbox_partitions SET owner = 'r', lease_until = now() + interval '1 hour';
+             INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'acct', 'a1', 'e' || g, '{}' FROM generate_series(1, 3) g;",
+        )
+        .await
+        .unwrap();
+    // (id, seq) of every row a claim returns, in seq order.
+    let claim = || async {
+        client
+            .query(
+                "SELECT id, seq FROM outbox_claim('r', 0, 10, 10, false, 1048576, 1048576)
+                  WHERE id IS NOT NULL ORDER BY seq",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1)))
+            .collect::<Vec<_>>()
+    };
+    let old = claim().await;
+    assert_eq!(old.iter().map(|r| r.1).collect::<Vec<_>>(), [1, 2, 3]);
+    for m in after {
+        apply(m).await;
+    }
+    client
+        .batch_execute(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('acct', 'a1', 'e4', '{}')",
+        )
+        .await
+        .unwrap();
+    let claimed = claim().await;
+    assert_eq!(
+        &claimed[..3],
+        &old[..],
+        "the numbered rows, with their numbers"
+    );
+    assert_eq!(claimed.len(), 4);
+    assert_eq!(claimed[3].1, 4, "the new row numbered after them");
+    let (ids, seqs): (Vec<i64>, Vec<i64>) = claimed.iter().copied().unzip();
+    client
+        .execute(
+            "UPDATE outbox_events e SET dispatched_at = now(), seq = m.seq
+               FROM unnest($1::bigint[], $2::bigint[]) AS m(id, seq) WHERE e.id = m.id",
+            &[&ids, &seqs],
+        )
+        .await
+        .unwrap();
+    let stored: Vec<i64> = client
+        .query("SELECT seq FROM outbox_events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(stored, [1, 2, 3, 4]);
+}
