@@ -628,8 +628,8 @@ impl Engine {
         }
 
         if self.stopping.is_none() {
-            self.publish_ready(now);
             self.start_claim(now);
+            self.publish_ready(now);
         }
 
         if !self.mark_busy && !self.marks.is_empty() && self.mark_retry.ready(now) {
