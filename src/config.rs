@@ -414,6 +414,11 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s")]
     pub poll_interval: String,
 
+    /// How long after a claim passed a row's id the next claims still look for it (a row
+    /// that committed a little after higher ids); later ones wait for the next poll's sweep.
+    #[arg(long, env = "OUTBOX_LATE_COMMIT_WINDOW", default_value = "100ms")]
+    pub late_commit_window: String,
+
     /// Do not LISTEN for the insert wake-up; rely on polling alone.
     #[arg(long, env = "OUTBOX_NO_LISTEN")]
     pub no_listen: bool,
@@ -831,6 +836,7 @@ impl Cli {
                     declare_exchange: !a.no_declare,
                     batch_size,
                     poll_interval: duration("--poll-interval", &a.poll_interval)?,
+                    late_commit_window: duration("--late-commit-window", &a.late_commit_window)?,
                     listen: !a.no_listen,
                     max_attempts,
                     max_message_bytes,
@@ -942,6 +948,7 @@ mod tests {
         };
         assert_eq!(relay.batch_size.get(), 500);
         assert_eq!(relay.poll_interval, Duration::from_secs(1));
+        assert_eq!(relay.late_commit_window, Duration::from_millis(100));
         assert_eq!(relay.max_attempts.get(), 10);
         assert_eq!(relay.max_message_bytes.get(), 1 << 20);
         assert_eq!(schema.as_str(), "public");

@@ -213,6 +213,35 @@ async fn late_commit_with_lower_id_is_published() {
     check(&all, &broker.received()).assert_clean();
 }
 
+/// A row whose transaction commits shortly after claims passed its id (other producers'
+/// higher ids committed first) goes out with the next claim, within the late-commit
+/// window, not at the next poll's sweep (a minute away here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_committed_just_after_its_id_was_passed_goes_out_with_the_next_claim() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    config.poll_interval = Duration::from_secs(60);
+    // Wide, so the test does not race the window on a loaded machine.
+    config.late_commit_window = Duration::from_secs(5);
+    let relay = InProcessRelay::start(&db, config);
+    let fast = db.client().await;
+    let warm_up = db.insert(&fast, 1, 1).await;
+    broker.wait_all(&warm_up, Duration::from_secs(30)).await;
+    let mut slow = db.client().await;
+    let slow_tx = slow.transaction().await.unwrap();
+    let late = db.insert_in(&slow_tx, 1, 1, "late").await;
+    let early = db.insert(&fast, 20, 5).await;
+    broker.wait_all(&early, Duration::from_secs(30)).await;
+    slow_tx.commit().await.unwrap();
+    broker.wait_all(&late, Duration::from_secs(3)).await;
+    relay.stop().await;
+    let mut all = warm_up;
+    all.extend(early);
+    all.extend(late);
+    check(&all, &broker.received()).assert_clean();
+}
+
 /// With a 10 s poll interval an event arrives within 200 ms: the NOTIFY path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_wakes_the_relay_long_before_the_poll() {
