@@ -65,6 +65,8 @@ CREATE OR REPLACE FUNCTION outbox_claim(
     per_key integer
 )
 LANGUAGE plpgsql SET search_path FROM CURRENT SET plan_cache_mode = force_custom_plan
+    -- Named here so that the small-claim settings below end with the call.
+    SET enable_seqscan = on SET enable_bitmapscan = on SET enable_hashjoin = on SET enable_mergejoin = on
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -129,6 +131,21 @@ BEGIN
                         WHERE x.aggregate_type = k.aggregate_type
                           AND x.aggregate_id = k.aggregate_id
                           AND x.parked_at IS NOT NULL);
+
+    -- A small claim (a relay keeping up with a trickle: a few keys, few rows in flight)
+    -- runs its two big statements on plans made once per connection instead of planning
+    -- them on every call, which took 0.7 of 2.2 ms per claim at 1,000 events/s. Those plans
+    -- are made without the call's values, so they are held to index scans and nested loops:
+    -- what a few keys need whatever the tables' sizes, and never a scan of a whole table
+    -- (a cached plan outlives the table size it was made for; see 0005). Bigger claims are
+    -- planned with their values, as before.
+    IF coalesce(cardinality(v_types), 0) <= 32 AND cardinality(p_held) <= 256 THEN
+        PERFORM set_config('plan_cache_mode', 'force_generic_plan', true),
+                set_config('enable_seqscan', 'off', true),
+                set_config('enable_bitmapscan', 'off', true),
+                set_config('enable_hashjoin', 'off', true),
+                set_config('enable_mergejoin', 'off', true);
+    END IF;
 
     -- Spread p_limit over the keys waiting: shallow prefixes for many keys, deep for few.
     v_per_key := greatest(1, least(p_per_key, ceil(p_limit::numeric / greatest(coalesce(cardinality(v_types), 0), 1))::integer));

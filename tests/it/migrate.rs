@@ -272,3 +272,47 @@ async fn rows_numbered_before_0007_keep_their_numbers() {
         .collect();
     assert_eq!(stored, [1, 2, 3, 4]);
 }
+
+/// A small claim runs its big statements on plans cached per connection, and those plans
+/// only probe indexes in nested loops: made on a near-empty table, a cached plan must not
+/// read a whole table (it would keep doing so once the table is big; sql/0005).
+#[tokio::test]
+async fn a_small_claim_only_probes_indexes() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "UPDATE outbox_partitions SET owner = 'r', lease_until = now() + interval '1 hour';
+             INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'acct', 'a' || g, 'e', '{}' FROM generate_series(1, 3) g;",
+        )
+        .await
+        .unwrap();
+    let claim = "SELECT count(*) FROM outbox_claim('r', 0, 500, 64, false, 1048576, 1048576)";
+    let out = tokio::process::Command::new("psql")
+        .args([&db.url(), "-X", "-q"])
+        .args(["-c", "LOAD 'auto_explain'"])
+        .args(["-c", "SET auto_explain.log_min_duration = 0"])
+        .args(["-c", "SET auto_explain.log_nested_statements = on"])
+        .args(["-c", "SET client_min_messages = log"])
+        .args(["-c", claim, "-c", claim])
+        .output()
+        .await
+        .expect("psql runs");
+    assert!(out.status.success(), "{out:?}");
+    let plans = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        plans.contains("Index Scan using outbox_key_seq_pkey"),
+        "the key rows are probed: {plans}"
+    );
+    for refused in [
+        "Seq Scan on outbox_events",
+        "Seq Scan on outbox_key_seq",
+        "Bitmap Heap Scan",
+        "Hash Join",
+        "Hash Left Join",
+        "Merge Join",
+    ] {
+        assert!(!plans.contains(refused), "{refused} in: {plans}");
+    }
+}
