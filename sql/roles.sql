@@ -112,6 +112,9 @@ GRANT UPDATE (dispatched_at, attempts, last_error, parked_at, seq)
 -- outbox_claim: a key's last seq and its numbered rows (insert or update);
 -- outbox_record_failures (--on-park block-key) rewinds them; outbox_redrive edits them.
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_key_seq TO :"relay_role";
+-- outbox_set_wakeup publishes the insert wake-up hint (setval); every role reads it in the
+-- trigger (SELECT is granted to PUBLIC by migration 0008).
+GRANT UPDATE ON SEQUENCE :"schema".outbox_wakeup TO :"relay_role";
 -- outbox_lease / outbox_leave / outbox_claim: the 64 rows exist; only owners change.
 GRANT SELECT, UPDATE (owner, epoch, lease_until) ON :"schema".outbox_partitions TO :"relay_role";
 -- outbox_lease: heartbeat upsert, forgetting silent relays; set_wakeup; outbox_leave.
@@ -157,6 +160,7 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_leave', :'relay_role'),
     ('outbox_record_failures', :'relay_role'),
     ('outbox_redrive', :'relay_role'),
+    ('outbox_set_wakeup', :'relay_role'),
     ('outbox_enqueue', :'producer_role'),
     ('outbox_wakeup', NULL),
     ('outbox_inbox_record', :'consumer_role'),

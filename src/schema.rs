@@ -55,6 +55,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0007_claim_numbers.sql",
         sql: include_str!("../sql/0007_claim_numbers.sql"),
     },
+    Migration {
+        version: 8,
+        name: "0008_wakeup_hint.sql",
+        sql: include_str!("../sql/0008_wakeup_hint.sql"),
+    },
 ];
 
 #[derive(Debug, thiserror::Error)]

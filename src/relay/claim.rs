@@ -314,9 +314,12 @@ pub async fn leave(pool: &Pool, relay_id: &str) -> Result<(), DbError> {
     Ok(())
 }
 
-const SET_WAKEUP: &str = "UPDATE outbox_relays SET wants_wakeup = $2 WHERE relay_id = $1";
+const SET_WAKEUP: &str = "SELECT outbox_set_wakeup($1, $2)";
 
-/// Tells producers whether this relay wants a NOTIFY on insert (only while it is idle).
+/// Tells producers whether this relay wants a NOTIFY on insert (only while it is idle):
+/// `outbox_set_wakeup` records it and publishes, for the insert trigger, until when some
+/// relay wants one (sql/0008_wakeup_hint.sql). Sent again every lease round while wanted,
+/// so the hint runs out once no live relay renews it.
 pub async fn set_wakeup(pool: &Pool, relay_id: &str, wanted: bool) -> Result<(), DbError> {
     let client = deadline(pool.get()).await?;
     let stmt = deadline(client.prepare_cached(SET_WAKEUP)).await?;

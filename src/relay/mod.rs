@@ -239,7 +239,8 @@ const CHECK_AUTOVACUUM: &str = "SELECT current_setting('autovacuum') = 'on'
    AND NOT coalesce((SELECT 'autovacuum_enabled=false' = ANY (reloptions) FROM pg_class
                       WHERE oid = to_regclass('outbox_events')), false)";
 
-const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint,text[],text[],bigint,bigint[])') IS NOT NULL";
+const CHECK_SCHEMA: &str = "SELECT to_regprocedure('outbox_claim(text,bigint,integer,integer,boolean,integer,bigint,text[],text[],bigint,bigint[])') IS NOT NULL
+   AND to_regprocedure('outbox_set_wakeup(text,boolean)') IS NOT NULL";
 
 /// [`run`] with an explicit identity (tests run several relays in one process).
 pub async fn run_as(
@@ -1297,6 +1298,10 @@ impl Engine {
 
     fn leased(&mut self, sent: Instant, round: LeaseRound) {
         self.registered = true;
+        if self.wakeup_db == Some(true) {
+            // Renew the producers' hint: it runs out three leases after its last renewal.
+            self.wakeup_db = None;
+        }
         let valid_until = sent + self.cfg.lease.mul_f64(0.9);
         let mut gained = 0;
         let held: HashSet<u8> = round.held.iter().map(|l| l.partition).collect();

@@ -242,6 +242,71 @@ async fn a_row_committed_just_after_its_id_was_passed_goes_out_with_the_next_cla
     check(&all, &broker.received()).assert_clean();
 }
 
+/// The insert trigger's function (and its NOTIFY) runs only while a live relay wants the
+/// wake-up: not with no relay, not once the relay turned it off, not once the relay that
+/// asked stopped renewing it. Producers pay for no query otherwise (the WHEN reads a
+/// sequence).
+#[tokio::test]
+async fn the_wakeup_trigger_runs_only_while_a_live_relay_wants_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    // Calls of the trigger function by three producer statements in one transaction (of a
+    // new session: a session's uncounted calls of earlier transactions show up too).
+    async fn calls(db: &TestDb) -> i64 {
+        let mut client = db.client().await;
+        let tx = client.transaction().await.unwrap();
+        tx.batch_execute("SET LOCAL track_functions = 'pl'")
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            tx.execute(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', 'k', 'created', '{}')",
+                &[],
+            )
+            .await
+            .unwrap();
+        }
+        let n: Option<i64> = tx
+            .query_one(
+                "SELECT (SELECT calls FROM pg_stat_xact_user_functions
+                          WHERE funcname = 'outbox_wakeup')",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        tx.commit().await.unwrap();
+        n.unwrap_or(0)
+    }
+    assert_eq!(calls(&db).await, 0, "no relay");
+    client
+        .batch_execute(
+            "INSERT INTO outbox_relays (relay_id, host, pid, lease_secs) VALUES ('r', 'h', 1, 15);
+             SELECT outbox_set_wakeup('r', true);",
+        )
+        .await
+        .unwrap();
+    assert_eq!(calls(&db).await, 3, "an idle relay wants it");
+    client
+        .batch_execute("SELECT outbox_set_wakeup('r', false)")
+        .await
+        .unwrap();
+    assert_eq!(calls(&db).await, 0, "the relay got busy");
+    client
+        .batch_execute(
+            "UPDATE outbox_relays SET heartbeat_at = now() - interval '46 seconds';
+             SELECT outbox_set_wakeup('r', true);",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        calls(&db).await,
+        0,
+        "its last heartbeat is over three leases old"
+    );
+}
+
 /// With a 10 s poll interval an event arrives within 200 ms: the NOTIFY path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_wakes_the_relay_long_before_the_poll() {

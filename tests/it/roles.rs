@@ -403,8 +403,12 @@ async fn roles_sql_names_every_outbox_table_and_function() {
     ];
     let names = admin
         .query(
-            "SELECT relname::text FROM pg_class WHERE relnamespace = 'public'::regnamespace
-                AND relkind IN ('r', 'p', 'v') AND relname LIKE 'outbox\\_%'
+            "SELECT relname::text FROM pg_class c WHERE relnamespace = 'public'::regnamespace
+                AND relkind IN ('r', 'p', 'v', 'S') AND relname LIKE 'outbox\\_%'
+                -- an identity column's sequence needs no grant of its own
+                AND NOT EXISTS (SELECT 1 FROM pg_depend d
+                                 WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid
+                                   AND d.deptype = 'i')
              UNION
              SELECT proname::text FROM pg_proc WHERE pronamespace = 'public'::regnamespace
                 AND proname LIKE 'outbox\\_%'",

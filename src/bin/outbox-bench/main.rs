@@ -122,6 +122,10 @@ struct Args {
     /// Producer connections in the producer-cost section.
     #[arg(long, default_value_t = 8)]
     producers: usize,
+    /// Pairs of busy-relay runs (outbox_events, the table without triggers, in alternating
+    /// order) in the producer-cost section; their ratios' median is the figure.
+    #[arg(long)]
+    producer_rounds: Option<usize>,
     /// Events sent one at a time to an idle relay for the wake-up latency.
     #[arg(long)]
     wakeup_samples: Option<usize>,
@@ -185,6 +189,10 @@ impl Args {
             producer_secs: secs(self.producer_secs, 10.0, 0.5),
             producer_warmup_secs: if smoke { 0.1 } else { 1.0 },
             producers: self.producers,
+            producer_rounds: self
+                .producer_rounds
+                .unwrap_or(if smoke { 1 } else { 3 })
+                .max(1),
             wakeup_samples: self.wakeup_samples.unwrap_or(if smoke { 10 } else { 200 }),
             wakeup_spacing: Duration::from_millis(if smoke { 20 } else { 100 }),
             growth_rows: size(self.growth_rows, 5_000_000, 20_000),
@@ -365,7 +373,8 @@ async fn run(args: Args) -> Result<bool> {
             .and_then(|d| d.as_ref().ok())
             .map_or(10_000.0, |d| d.rate.max(1_000.0));
         let slack = if s.smoke { 2.0 } else { 10.0 };
-        let busy_secs = 2.0 * (s.producer_secs + s.producer_warmup_secs) + slack;
+        let busy_secs =
+            2.0 * s.producer_rounds as f64 * (s.producer_secs + s.producer_warmup_secs) + slack;
         let backlog = ((rate * busy_secs * 1.5) as u64).clamp(2_000, 1_000_000);
         results.producer = outcome(
             "producer cost",

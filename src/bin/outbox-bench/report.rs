@@ -133,8 +133,7 @@ impl Results {
     }
 
     fn busy_ratio(&self) -> Option<f64> {
-        let p = ok(&self.producer)?;
-        Some(p.rate("outbox_relay_busy")? / p.rate("plain_relay_busy")?)
+        ok(&self.producer)?.busy_ratio()
     }
 
     fn latency_at(&self, rate: u64, listen: bool) -> Option<&Latency> {
@@ -360,12 +359,9 @@ impl Results {
             Some(Ok(p)) => {
                 for r in &p.runs {
                     let base = if r.id == "outbox_relay_busy" {
-                        format!(
-                            "{:.2} of plain, relay busy",
-                            r.tx_per_s / p.baseline_of(r.id)
-                        )
+                        format!("{:.2} of plain, relay busy", r.tx_per_s / p.baseline_of(r))
                     } else {
-                        format!("{:.2} of plain", r.tx_per_s / p.baseline_of(r.id))
+                        format!("{:.2} of plain", r.tx_per_s / p.baseline_of(r))
                     };
                     let notes = match r.notifies {
                         Some(n) => format!(
@@ -378,9 +374,25 @@ impl Results {
                     row(
                         "4",
                         &format!("producers ({} connections)", p.producers),
-                        r.what,
+                        &match r.round {
+                            Some(n) => format!("{} (pair {n})", r.what),
+                            None => r.what.to_owned(),
+                        },
                         notes,
                         base,
+                    );
+                }
+                if let Some(median) = p.busy_ratio() {
+                    row(
+                        "4",
+                        "producers, relay busy",
+                        "outbox_events against the table without triggers: median of the pairs",
+                        p.busy_ratios()
+                            .iter()
+                            .map(|r| format!("{r:.2}"))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        format!("{median:.2}"),
                     );
                 }
                 row(
@@ -698,7 +710,6 @@ impl Results {
         let producer = self.producer.as_ref().map(|r| {
             r.as_ref()
                 .map(|p| {
-                    let plain_busy = p.rate("plain_relay_busy").unwrap_or(f64::NAN);
                     json!({
                         "producers": p.producers,
                         "seconds_per_run": p.seconds,
@@ -708,10 +719,12 @@ impl Results {
                             "tx_per_s": r.tx_per_s.round(),
                             "commits": r.commits,
                             "notifies": r.notifies,
-                            "ratio_to_baseline": round3(r.tx_per_s / p.baseline_of(r.id)),
+                            "round": r.round,
+                            "ratio_to_baseline": round3(r.tx_per_s / p.baseline_of(r)),
                         })).collect::<Vec<_>>(),
                         "plain_baseline_tx_per_s": p.plain().round(),
-                        "ratio_busy_to_plain_busy": round3(p.rate("outbox_relay_busy").unwrap_or(f64::NAN) / plain_busy),
+                        "ratio_busy_to_plain_busy": p.busy_ratio().map(round3),
+                        "ratios_busy_to_plain_busy_per_pair": p.busy_ratios().iter().copied().map(round3).collect::<Vec<_>>(),
                         "busy_throughout": p.busy_throughout,
                         "busy_backlog_events": p.busy_backlog,
                         "idle_wakeup": p.wakeup.json(),

@@ -44,6 +44,7 @@ pub struct Settings {
     pub producer_secs: f64,
     pub producer_warmup_secs: f64,
     pub producers: usize,
+    pub producer_rounds: usize,
     pub wakeup_samples: usize,
     pub wakeup_spacing: Duration,
     pub growth_rows: u64,
@@ -506,6 +507,8 @@ async fn open_loop(
 pub struct ProducerRun {
     pub id: &'static str,
     pub what: &'static str,
+    /// Which pair of busy runs it belongs to (1, 2, ...); `None` for the others.
+    pub round: Option<usize>,
     pub tx_per_s: f64,
     pub commits: u64,
     /// NOTIFYs a listener saw during the run (`None` when nobody listened).
@@ -529,6 +532,33 @@ impl ProducerCost {
         self.runs.iter().find(|r| r.id == id).map(|r| r.tx_per_s)
     }
 
+    fn busy_rate(&self, id: &str, round: Option<usize>) -> Option<f64> {
+        self.runs
+            .iter()
+            .find(|r| r.id == id && r.round == round)
+            .map(|r| r.tx_per_s)
+    }
+
+    /// Per pair of busy runs: outbox_events against the table without triggers.
+    pub fn busy_ratios(&self) -> Vec<f64> {
+        (1..)
+            .map_while(|round| {
+                Some(
+                    self.busy_rate("outbox_relay_busy", Some(round))?
+                        / self.busy_rate("plain_relay_busy", Some(round))?,
+                )
+            })
+            .collect()
+    }
+
+    /// The median of [`Self::busy_ratios`]: each pair ran back to back, so a drift of the
+    /// machine's load over the section moves both of a pair alike.
+    pub fn busy_ratio(&self) -> Option<f64> {
+        let mut r = self.busy_ratios();
+        r.sort_by(f64::total_cmp);
+        r.get(r.len() / 2).copied()
+    }
+
     /// The trigger-free baseline with the relay stopped: the mean of its first and last run.
     pub fn plain(&self) -> f64 {
         let v: Vec<f64> = ["plain", "plain_end"]
@@ -538,10 +568,12 @@ impl ProducerCost {
         v.iter().sum::<f64>() / v.len().max(1) as f64
     }
 
-    /// What a run is compared with: the trigger-free table in the same relay state.
-    pub fn baseline_of(&self, id: &str) -> f64 {
-        if id == "outbox_relay_busy" {
-            self.rate("plain_relay_busy").unwrap_or(f64::NAN)
+    /// What a run is compared with: the trigger-free table in the same relay state (a busy
+    /// run: the other run of its pair).
+    pub fn baseline_of(&self, run: &ProducerRun) -> f64 {
+        if run.id == "outbox_relay_busy" {
+            self.busy_rate("plain_relay_busy", run.round)
+                .unwrap_or(f64::NAN)
         } else {
             self.plain()
         }
@@ -648,10 +680,10 @@ async fn producer_cost_inner(
     {
         let counter = NotifyCounter::start(db).await?;
         db.client
-            .execute(
+            .batch_execute(
                 "INSERT INTO outbox_relays (relay_id, host, pid, lease_secs, wants_wakeup)
-                 VALUES ('outbox-bench-idle', 'bench', 0, 3600, true)",
-                &[],
+                 VALUES ('outbox-bench-idle', 'bench', 0, 3600, true);
+                 SELECT outbox_set_wakeup('outbox-bench-idle', true);",
             )
             .await?;
         let r = run(
@@ -662,9 +694,9 @@ async fn producer_cost_inner(
         .go(Some(&counter))
         .await;
         db.client
-            .execute(
-                "DELETE FROM outbox_relays WHERE relay_id = 'outbox-bench-idle'",
-                &[],
+            .batch_execute(
+                "SELECT outbox_set_wakeup('outbox-bench-idle', false);
+                 DELETE FROM outbox_relays WHERE relay_id = 'outbox-bench-idle';",
             )
             .await?;
         runs.push(r?);
@@ -746,24 +778,30 @@ async fn producer_cost_inner(
         || async move { Ok(!db.wakeup_wanted().await?) },
     )
     .await?;
-    runs.push(
-        run(
+    // In pairs, the order alternating, so that a drift over the section does not pass for a
+    // cost of the triggers.
+    for round in 1..=s.producer_rounds {
+        let outbox = run(
             "outbox_relay_busy",
             "outbox_events, relay busy draining",
             "outbox_events",
-        )
-        .go(Some(&counter))
-        .await?,
-    );
-    runs.push(
-        run(
+        );
+        let plain = run(
             "plain_relay_busy",
             "table without triggers, relay busy draining",
             "outbox_plain",
-        )
-        .go(Some(&counter))
-        .await?,
-    );
+        );
+        let pair = if round % 2 == 1 {
+            [outbox, plain]
+        } else {
+            [plain, outbox]
+        };
+        for m in pair {
+            let mut r = m.go(Some(&counter)).await?;
+            r.round = Some(round);
+            runs.push(r);
+        }
+    }
     let busy_throughout = db.pending().await? > 0 && !db.wakeup_wanted().await?;
     relay.check_alive()?;
     relay.stop()?;
@@ -818,6 +856,7 @@ impl Measure<'_> {
         Ok(ProducerRun {
             id: self.id,
             what: self.what,
+            round: None,
             tx_per_s,
             commits,
             notifies,
