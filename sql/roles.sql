@@ -23,9 +23,11 @@
 -- the ALTER ROLE statement: on a server that logs DDL (log_statement = ddl/all), set it
 -- with psql's \password instead.
 --
--- Every function of the relay and the consumer kit is SECURITY INVOKER: it runs with the
--- caller's privileges, so each role gets exactly what its functions touch, and PUBLIC's
--- default EXECUTE on those functions is revoked. Four pure helpers stay executable by
+-- Every function of the relay and the consumer kit but one is SECURITY INVOKER: it runs
+-- with the caller's privileges, so each role gets exactly what its functions touch, and
+-- PUBLIC's default EXECUTE on those functions is revoked. The one, outbox_refresh_statistics,
+-- runs as the owner because ANALYZE needs the owner; it analyzes outbox_events and nothing
+-- else (when the statistics say fewer rows are pending than a claim saw; sql/0007). Four pure helpers stay executable by
 -- everyone (outbox_headers_allowed, used by a CHECK constraint; outbox_partition_of;
 -- outbox_claim_lock_key; outbox_uuid_v7, the event_id default): they read no table.
 --
@@ -161,6 +163,7 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_record_failures', :'relay_role'),
     ('outbox_redrive', :'relay_role'),
     ('outbox_set_wakeup', :'relay_role'),
+    ('outbox_refresh_statistics', :'relay_role'),
     ('outbox_enqueue', :'producer_role'),
     ('outbox_wakeup', NULL),
     ('outbox_inbox_record', :'consumer_role'),

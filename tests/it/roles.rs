@@ -250,6 +250,29 @@ async fn relay_and_producer_run_under_their_roles() {
     .await
     .expect("retention sweep as the relay role");
     assert_eq!(deleted, 151);
+
+    // A claim that finds more candidates than the statistics say are pending analyzes
+    // the table, which the relay role does not own (sql/0007, "Statistics").
+    let relay_client = connect_as(&db, &roles.relay).await;
+    admin
+        .batch_execute("SELECT pg_stat_reset_single_table_counters('outbox_events'::regclass)")
+        .await
+        .unwrap();
+    let analyzed: bool = relay_client
+        .query_one("SELECT outbox_refresh_statistics(1000000)", &[])
+        .await
+        .expect("outbox_refresh_statistics as the relay role")
+        .get(0);
+    assert!(analyzed);
+    let last: Option<std::time::SystemTime> = admin
+        .query_one(
+            "SELECT last_analyze FROM pg_stat_user_tables WHERE relid = 'outbox_events'::regclass",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(last.is_some(), "ANALYZE ran as the owner");
 }
 
 /// What each role must not do ends in SQLSTATE 42501 (permission denied).
