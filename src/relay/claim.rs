@@ -162,12 +162,12 @@ pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbErro
     Ok(out)
 }
 
-// "Pending" as `coalesce(..) IS NULL`, which no partial index serves, so the rows are
-// found by primary key whatever Postgres believes about how many are pending. Written as
-// two IS NULLs, statistics taken while none were pending (a vacuum of an idle outbox,
-// then a burst) made it read every pending row for each mark (sql/0007, "Statistics").
 /// The statement [`mark`] runs: `$1` the acked ids, `$2` their numbers (public for the
-/// plan tests).
+/// plan tests). "Pending" is `coalesce(..) IS NULL`, which no partial index serves, so the
+/// rows are found by primary key whatever Postgres believes about how many are pending.
+/// Written as two IS NULLs, statistics taken while none were pending (a vacuum of an idle
+/// outbox, then a burst) made it read every pending row for each mark (sql/0007,
+/// "Statistics").
 pub const MARK: &str = "UPDATE outbox_events e SET dispatched_at = now(), seq = m.seq
   FROM unnest($1::bigint[], $2::bigint[]) AS m(id, seq)
  WHERE e.id = m.id AND coalesce(e.dispatched_at, e.parked_at) IS NULL";
