@@ -97,8 +97,13 @@ fn init_logging(format: LogFormat, default_filter: &str) {
     // relay reports every such event itself.
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    // Colour only on a terminal: a file, a pipe or a container's log collector gets plain
+    // text. NO_COLOR (https://no-color.org) turns colour off on a terminal too.
+    use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

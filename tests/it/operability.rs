@@ -358,6 +358,8 @@ async fn passwords_never_appear_in_logs() {
     assert!(log.contains("relay started"), "{log}");
     assert!(!log.contains(pg_secret), "the postgres password was logged");
     assert!(!log.contains(amqp_secret), "the broker password was logged");
+    // stderr is a file here, not a terminal: plain lines, no colour codes.
+    assert!(!log.contains('\x1b'), "escape codes in a log file: {log}");
 }
 
 /// sslmode=require encrypts (pg_stat_ssl says so); verify-full accepts a server whose
