@@ -14,10 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use lapin::BasicProperties;
 use lapin::ExchangeKind;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use outbox_relay::relay::publish::AmqpTarget;
@@ -194,12 +195,74 @@ async fn dispatched_count(client: &tokio_postgres::Client) -> i64 {
         .get(0)
 }
 
-/// Waits until at least `more` rows beyond `from` are dispatched.
-async fn dispatches_go_on(client: &tokio_postgres::Client, from: i64, more: i64, what: &str) {
-    wait_for(what, Duration::from_secs(120), || async {
-        (dispatched_count(client).await >= from + more).then_some(())
-    })
-    .await;
+/// Waits until at least `more` rows beyond `from` are dispatched; a timeout shows the
+/// cluster's state and what the relay logged.
+async fn dispatches_go_on(
+    client: &tokio_postgres::Client,
+    cluster: &Cluster,
+    relay: &RelayProcess,
+    exchange: &str,
+    from: i64,
+    more: i64,
+    what: &str,
+) {
+    let limit = Duration::from_secs(120);
+    let start = std::time::Instant::now();
+    loop {
+        let n = dispatched_count(client).await;
+        if n >= from + more {
+            return;
+        }
+        if start.elapsed() > limit {
+            let mut fresh = String::new();
+            for i in 0..3 {
+                let outcome = fresh_publish(&cluster.url(i), exchange).await;
+                fresh.push_str(&format!("node {i}: {outcome}\n"));
+            }
+            panic!(
+                "timed out after {limit:?} waiting for {what}: {n} dispatched, {} wanted\n{}\none publish on a fresh connection to each node:\n{fresh}relay log (above debug):\n{}",
+                from + more,
+                cluster.run(&["status"]).await,
+                relay.log_tail(40)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What the broker says to one publish with confirms on a new connection: whether the
+/// queue takes messages at all, apart from the relay's own session.
+async fn fresh_publish(url: &str, exchange: &str) -> String {
+    let attempt = async {
+        let conn = AmqpTarget::parse(url)
+            .unwrap()
+            .connect("outbox-it-cluster-probe")
+            .await
+            .map_err(|e| e.to_string())?;
+        let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let confirm = ch
+            .basic_publish(
+                exchange.into(),
+                "probe".into(),
+                BasicPublishOptions::default(),
+                b"probe",
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = conn.close(200, "probed".into()).await;
+        Ok::<_, String>(if confirm.is_ack() { "acked" } else { "nacked" })
+    };
+    match tokio::time::timeout(Duration::from_secs(10), attempt).await {
+        Ok(Ok(outcome)) => outcome.to_owned(),
+        Ok(Err(e)) => format!("failed: {e}"),
+        Err(_) => "no confirm within 10 s".to_owned(),
+    }
 }
 
 /// Everything in `queue`, read through `url` until every id in `expect` has come.
@@ -332,7 +395,16 @@ async fn quorum_queue_keeps_every_confirmed_event_through_two_node_stops() {
     let mut relay = RelayProcess::start(&unique("cluster"), &relay_args);
     let stop = CancellationToken::new();
     let producer = produce(&db, stop.clone());
-    dispatches_go_on(&client, 0, 1_000, "the stream to flow through the cluster").await;
+    dispatches_go_on(
+        &client,
+        &cluster,
+        &relay,
+        &exchange,
+        0,
+        1_000,
+        "the stream to flow through the cluster",
+    )
+    .await;
 
     // Stop the queue's leader mid-stream: a new leader is elected among the two others,
     // and the relay (connected to the first node that answers) fails over if it was there.
@@ -341,6 +413,9 @@ async fn quorum_queue_keeps_every_confirmed_event_through_two_node_stops() {
     let after_first = dispatched_count(&client).await;
     dispatches_go_on(
         &client,
+        &cluster,
+        &relay,
+        &exchange,
         after_first,
         1_000,
         "the relay to go on publishing after the leader stopped",
@@ -359,6 +434,9 @@ async fn quorum_queue_keeps_every_confirmed_event_through_two_node_stops() {
     cluster.run(&["start-node", &second]).await;
     dispatches_go_on(
         &client,
+        &cluster,
+        &relay,
+        &exchange,
         confirmed_before_return.len() as i64,
         1_000,
         "the relay to go on after the nodes returned",

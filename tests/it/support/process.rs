@@ -76,6 +76,16 @@ impl RelayProcess {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// The last `n` lines of the log above debug level, for a failure message.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = self.log_text();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.contains(" DEBUG ") && !l.contains(" TRACE "))
+            .collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
 }
 
 /// Runs the binary to completion with `args`; returns (exit code, stdout, stderr).
