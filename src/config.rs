@@ -435,7 +435,8 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "10s")]
     pub shutdown_timeout: String,
 
-    /// How long to wait for the broker's confirm of one message.
+    /// How long to wait for the broker's confirm of one message (and how long a session
+    /// may get nothing but nacks before it is replaced).
     #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", default_value = "15s")]
     pub confirm_timeout: String,
 

@@ -362,11 +362,12 @@ impl Telemetry {
         }
     }
 
-    pub fn amqp_session_lost(&self, generation: u64, rows_in_flight: usize) {
+    pub fn amqp_session_lost(&self, generation: u64, rows_in_flight: usize, why: &str) {
         warn!(
             target: "outbox_relay",
             generation,
             rows_in_flight,
+            why,
             "amqp session lost; unconfirmed rows stay pending and are retried"
         );
         self.health.amqp_up.store(false, Ordering::Relaxed);

@@ -922,8 +922,9 @@ impl Engine {
             return;
         };
         let in_flight = self.hand.in_flight_rows();
+        let why = session.lost_why().to_owned();
         self.tel
-            .amqp_session_lost(session.generation(), in_flight.len());
+            .amqp_session_lost(session.generation(), in_flight.len(), &why);
         for (key, id) in in_flight {
             self.hand.failed(&key, id);
             self.failures.push((
@@ -935,7 +936,7 @@ impl Engine {
                 },
             ));
         }
-        self.amqp.failed(&"session lost");
+        self.amqp.failed(&format!("session lost: {why}"));
         tokio::spawn(session.close());
     }
 

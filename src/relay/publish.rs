@@ -19,7 +19,10 @@
 //!   (a message to an unbound routing key of the default exchange, not mandatory) when no
 //!   other confirm would come;
 //! - after a confirm timeout or channel error reports every later confirm as lost and
-//!   ends: lapin may hand a return to a confirm we no longer watch.
+//!   ends: lapin may hand a return to a confirm we no longer watch;
+//! - ends too when the broker has nacked every row for a confirm timeout with no ack
+//!   between: a channel of a node that lost track of a queue's leader can nack for good,
+//!   and only a new session gets past it (the engine then reconnects).
 //!
 //! Only this module can construct [`Acked`], the value that marks rows dispatched.
 
@@ -38,6 +41,32 @@ use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, Exc
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+/// The end of a session, raised once by whatever ended it; the first reason given is kept.
+#[derive(Clone, Default)]
+struct Lost {
+    token: CancellationToken,
+    why: Arc<std::sync::OnceLock<String>>,
+}
+
+impl Lost {
+    fn raise(&self, why: impl Into<String>) {
+        let _ = self.why.set(why.into());
+        self.token.cancel();
+    }
+
+    async fn raised(&self) {
+        self.token.cancelled().await
+    }
+
+    fn is_raised(&self) -> bool {
+        self.token.is_cancelled()
+    }
+
+    fn why(&self) -> &str {
+        self.why.get().map_or("unknown", String::as_str)
+    }
+}
 
 use super::claim::ClaimedRow;
 use super::hand::Key;
@@ -495,7 +524,7 @@ pub type SettledBatch = (u64, Vec<Settled>);
 pub struct Session {
     conn: Connection,
     lanes: Vec<mpsc::UnboundedSender<Prepared>>,
-    lost: CancellationToken,
+    lost: Lost,
     generation: u64,
 }
 
@@ -508,7 +537,7 @@ impl Session {
         settled: mpsc::UnboundedSender<SettledBatch>,
     ) -> Result<Session, PublishError> {
         let conn = target.connect(&config.connection_name).await?;
-        let lost = CancellationToken::new();
+        let lost = Lost::default();
         let setup = async {
             let ch = rpc("channel.open", conn.create_channel()).await?;
             let options = ExchangeDeclareOptions {
@@ -569,15 +598,14 @@ impl Session {
             let mut events = std::pin::pin!(events);
             loop {
                 tokio::select! {
-                    _ = watch.cancelled() => return,
+                    _ = watch.raised() => return,
                     ev = events.next() => match ev {
                         Some(lapin::Event::Error(e)) => {
-                            tracing::debug!(error = %e, "amqp connection error");
-                            watch.cancel();
+                            watch.raise(format!("connection error: {e}"));
                             return;
                         }
                         Some(_) => {}
-                        None => { watch.cancel(); return; }
+                        None => { watch.raise("connection closed"); return; }
                     }
                 }
             }
@@ -598,22 +626,27 @@ impl Session {
     pub fn publish(&self, partition: u8, message: Prepared) {
         let lane = partition as usize % self.lanes.len();
         if self.lanes[lane].send(message).is_err() {
-            self.lost.cancel();
+            self.lost.raise("a publishing lane had ended");
         }
     }
 
     /// Resolves when the connection or any lane failed.
     pub async fn lost(&self) {
-        self.lost.cancelled().await
+        self.lost.raised().await
     }
 
     pub fn is_lost(&self) -> bool {
-        self.lost.is_cancelled()
+        self.lost.is_raised()
+    }
+
+    /// Why the session ended (the first failure seen), once [`Session::is_lost`].
+    pub fn lost_why(&self) -> &str {
+        self.lost.why()
     }
 
     /// Closes the connection; lanes report what was in flight as lost.
     pub async fn close(self) {
-        self.lost.cancel();
+        self.lost.raise("closed by the relay");
         let _ = tokio::time::timeout(
             Duration::from_secs(2),
             self.conn.close(200, "outbox-relay closing".into()),
@@ -699,6 +732,29 @@ struct Resolved {
     round: u64,
 }
 
+/// Since when a lane has had nothing but nacks for its rows.
+#[derive(Default)]
+struct NackRun {
+    since: Option<std::time::Instant>,
+}
+
+impl NackRun {
+    /// Counts a round of outcomes; true once every row settled for `limit` was nacked.
+    /// An ack (returned or not) ends the run; timeouts and losses end the lane anyway.
+    fn for_good(&mut self, out: &[Settled], now: std::time::Instant, limit: Duration) -> bool {
+        for s in out {
+            match s.outcome {
+                Outcome::Nacked => {
+                    self.since.get_or_insert(now);
+                }
+                Outcome::Acked(_) | Outcome::Returned { .. } => self.since = None,
+                Outcome::TimedOut | Outcome::Lost(_) => {}
+            }
+        }
+        self.since.is_some_and(|t| now.duration_since(t) >= limit)
+    }
+}
+
 struct Lane {
     channel: lapin::Channel,
     exchange: ShortString,
@@ -706,7 +762,7 @@ struct Lane {
     confirm_timeout: Duration,
     generation: u64,
     settled: mpsc::UnboundedSender<SettledBatch>,
-    lost: CancellationToken,
+    lost: Lost,
 }
 
 type ConfirmFuture = BoxFuture<'static, (Option<Pending>, ConfirmResult)>;
@@ -748,6 +804,7 @@ impl Lane {
         let mut probe_out = false;
         let mut round: u64 = 0;
         let mut broken: Option<String> = None;
+        let mut nacks = NackRun::default();
         loop {
             if broken.is_some() {
                 break;
@@ -764,7 +821,7 @@ impl Lane {
             }
             tokio::select! {
                 biased;
-                _ = self.lost.cancelled() => { broken = Some("amqp session closed".into()); }
+                _ = self.lost.raised() => { broken = Some("amqp session closed".into()); }
                 Some((pending, result)) = in_flight.next(), if !in_flight.is_empty() => {
                     round += 1;
                     let mut batch = vec![Resolved { pending, result, round }];
@@ -775,6 +832,10 @@ impl Lane {
                         probe_out = false;
                     }
                     let out = self.decide(batch, &mut suspects, &mut returns, &mut broken);
+                    if nacks.for_good(&out, std::time::Instant::now(), self.confirm_timeout) {
+                        let limit = self.confirm_timeout;
+                        broken = Some(format!("the broker nacked every publish for {limit:?}"));
+                    }
                     self.send(out);
                 }
                 msg = rx.recv() => match msg {
@@ -789,7 +850,8 @@ impl Lane {
         // The lane is done. Rows still unsettled are failed by the engine when it sees the
         // session lost; confirms still outstanding may carry returns we would never see, so
         // none of them may count as acked.
-        self.lost.cancel();
+        self.lost
+            .raise(broken.unwrap_or_else(|| "amqp session closed".into()));
         drop(in_flight);
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
@@ -965,6 +1027,46 @@ impl Lane {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_nacks_for_a_confirm_timeout_end_the_lane() {
+        let settled = |outcome| Settled {
+            row_id: 1,
+            key: Key {
+                aggregate_type: "order".into(),
+                aggregate_id: "1".into(),
+            },
+            outcome,
+            confirm_secs: 0.0,
+        };
+        let acked = || {
+            settled(Outcome::Acked(Acked {
+                row_id: 1,
+                seq: 1,
+                body_bytes: 1,
+            }))
+        };
+        let limit = Duration::from_secs(5);
+        let t0 = std::time::Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut run = NackRun::default();
+        assert!(!run.for_good(&[settled(Outcome::Nacked)], at(0), limit));
+        assert!(!run.for_good(&[settled(Outcome::Nacked)], at(4), limit));
+        // An ack in the same round as nacks ends the run.
+        assert!(!run.for_good(&[settled(Outcome::Nacked), acked()], at(5), limit));
+        assert!(!run.for_good(&[settled(Outcome::Nacked)], at(6), limit));
+        assert!(!run.for_good(&[], at(10), limit));
+        assert!(run.for_good(&[settled(Outcome::Nacked)], at(11), limit));
+        // A return is the broker's answer too: not a nack run.
+        let mut run = NackRun::default();
+        assert!(!run.for_good(&[settled(Outcome::Nacked)], at(0), limit));
+        let returned = Outcome::Returned {
+            reply_code: 312,
+            reply_text: "NO_ROUTE".into(),
+        };
+        assert!(!run.for_good(&[settled(returned)], at(6), limit));
+        assert!(!run.for_good(&[settled(Outcome::Nacked)], at(7), limit));
+    }
 
     #[test]
     fn prepare_follows_the_contract() {

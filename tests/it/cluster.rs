@@ -18,7 +18,7 @@ use lapin::BasicProperties;
 use lapin::ExchangeKind;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use outbox_relay::relay::publish::AmqpTarget;
@@ -26,7 +26,7 @@ use outbox_relay::testkit::checker::{self, Delivery};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::process::RelayProcess;
-use crate::support::{TestDb, unique, wait_for};
+use crate::support::{TestDb, declare_bound_queue, unique, wait_for};
 
 /// Three extra RabbitMQ nodes of this test. Dropping it stops them and deletes their data.
 struct Cluster {
@@ -346,25 +346,7 @@ async fn quorum_queue_keeps_every_confirmed_event_through_two_node_stops() {
         ShortString::from("x-queue-type"),
         AMQPValue::LongString(LongString::from("quorum")),
     );
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        queue.as_str().into(),
-        exchange.as_str().into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare_bound_queue(&ch, &queue, &exchange, args).await;
     let _ = setup.close(200, "declared".into()).await;
 
     let urls = cluster.urls().await;
@@ -410,6 +392,9 @@ async fn quorum_queue_keeps_every_confirmed_event_through_two_node_stops() {
     // and the relay (connected to the first node that answers) fails over if it was there.
     let first = cluster.leader(&queue, None).await;
     cluster.run(&["stop-node", &first]).await;
+    // The broker's part first: the two other nodes elect a new leader (a timeout here is
+    // RabbitMQ's, not the relay's).
+    cluster.leader(&queue, Some(&first)).await;
     let after_first = dispatched_count(&client).await;
     dispatches_go_on(
         &client,

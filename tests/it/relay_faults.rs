@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
 use crate::support::checker::check;
 use crate::support::process::{RelayProcess, run_to_end};
 use crate::support::{
@@ -151,6 +154,69 @@ async fn sigterm_mid_stream_exits_cleanly_and_publishes_nothing_twice() {
     let report = check(&committed, &broker.received());
     report.assert_clean();
     assert_eq!(report.duplicates, 0, "{report:?}");
+}
+
+/// A broker that nacks every publish (here a second bound queue that is always full, with
+/// overflow reject-publish) gets a new session after a confirm timeout of nothing but nacks:
+/// a channel that lost track of a queue's leader can nack for good, and only a new session
+/// gets past it. Nothing is marked while the nacks last; once the full queue is gone every
+/// event is marked and has arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_only_gets_nacks_is_replaced() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let full = format!("{}.full", broker.exchange);
+    let ch = broker.conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongLongInt(0));
+    args.insert(
+        ShortString::from("x-overflow"),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    ch.queue_declare(
+        full.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        full.as_str().into(),
+        broker.exchange.as_str().into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let client = db.client().await;
+    let committed = db.insert(&client, 500, 100).await;
+    let mut relay = RelayProcess::start(&unique("nacked"), &relay_args(&db, &broker, &[]));
+    wait_for(
+        "a new session after a confirm timeout (5 s) of nacks only",
+        Duration::from_secs(60),
+        || async {
+            let log = relay.log_text();
+            (log.contains("the broker nacked every publish for 5s")
+                && log.contains("amqp session open generation=2"))
+            .then_some(())
+        },
+    )
+    .await;
+    // The other queue took copies (a nack does not mean "not routed"), so the consumer may
+    // see duplicates; a nacked row is never marked.
+    assert_eq!(db.count(&client, "dispatched_at IS NOT NULL").await, 0);
+    ch.queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    broker.wait_all(&committed, Duration::from_secs(60)).await;
+    all_dispatched(&db, Duration::from_secs(30)).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
+    check(&committed, &broker.received()).assert_clean();
 }
 
 /// Bad configuration: exit 2 with one line naming the flag.

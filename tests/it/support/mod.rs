@@ -324,6 +324,29 @@ impl Received {
     }
 }
 
+/// Declares a durable queue with `args` and binds it to `exchange` for every routing key.
+pub async fn declare_bound_queue(
+    ch: &lapin::Channel,
+    queue: &str,
+    exchange: &str,
+    args: FieldTable,
+) {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.into(), durable, args).await.unwrap();
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+}
+
 /// An exchange and a queue bound to it, with everything received recorded in order.
 pub struct Broker {
     pub exchange: String,
