@@ -42,32 +42,6 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-/// The end of a session, raised once by whatever ended it; the first reason given is kept.
-#[derive(Clone, Default)]
-struct Lost {
-    token: CancellationToken,
-    why: Arc<std::sync::OnceLock<String>>,
-}
-
-impl Lost {
-    fn raise(&self, why: impl Into<String>) {
-        let _ = self.why.set(why.into());
-        self.token.cancel();
-    }
-
-    async fn raised(&self) {
-        self.token.cancelled().await
-    }
-
-    fn is_raised(&self) -> bool {
-        self.token.is_cancelled()
-    }
-
-    fn why(&self) -> &str {
-        self.why.get().map_or("unknown", String::as_str)
-    }
-}
-
 use super::claim::ClaimedRow;
 use super::hand::Key;
 
@@ -519,6 +493,32 @@ pub struct SessionConfig {
 
 /// A batch of outcomes from one lane of session `generation`.
 pub type SettledBatch = (u64, Vec<Settled>);
+
+/// The end of a session, raised once by whatever ended it; the first reason given is kept.
+#[derive(Clone, Default)]
+struct Lost {
+    token: CancellationToken,
+    why: Arc<std::sync::OnceLock<String>>,
+}
+
+impl Lost {
+    fn raise(&self, why: impl Into<String>) {
+        let _ = self.why.set(why.into());
+        self.token.cancel();
+    }
+
+    async fn raised(&self) {
+        self.token.cancelled().await
+    }
+
+    fn is_raised(&self) -> bool {
+        self.token.is_cancelled()
+    }
+
+    fn why(&self) -> &str {
+        self.why.get().map_or("unknown", String::as_str)
+    }
+}
 
 /// One AMQP connection and its publishing lanes.
 pub struct Session {

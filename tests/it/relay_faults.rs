@@ -2,13 +2,14 @@
 
 use std::time::Duration;
 
-use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::QueueDeleteOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::support::checker::check;
 use crate::support::process::{RelayProcess, run_to_end};
 use crate::support::{
-    Broker, InProcessRelay, TestDb, close_connections, test_config, unique, wait_for,
+    Broker, InProcessRelay, TestDb, close_connections, declare_bound_queue, test_config, unique,
+    wait_for,
 };
 
 fn relay_args(db: &TestDb, broker: &Broker, extra: &[&str]) -> Vec<String> {
@@ -173,25 +174,7 @@ async fn a_session_that_only_gets_nacks_is_replaced() {
         ShortString::from("x-overflow"),
         AMQPValue::LongString(LongString::from("reject-publish")),
     );
-    ch.queue_declare(
-        full.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        full.as_str().into(),
-        broker.exchange.as_str().into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare_bound_queue(&ch, &full, &broker.exchange, args).await;
     let client = db.client().await;
     let committed = db.insert(&client, 500, 100).await;
     let mut relay = RelayProcess::start(&unique("nacked"), &relay_args(&db, &broker, &[]));
