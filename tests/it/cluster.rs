@@ -26,7 +26,7 @@ use outbox_relay::testkit::checker::{self, Delivery};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::process::RelayProcess;
-use crate::support::{TestDb, declare_bound_queue, unique, wait_for};
+use crate::support::{TestDb, declare_bound_queue, unique, wait_for, wait_for_explained};
 
 /// Three extra RabbitMQ nodes of this test. Dropping it stops them and deletes their data.
 struct Cluster {
@@ -206,28 +206,27 @@ async fn dispatches_go_on(
     more: i64,
     what: &str,
 ) {
-    let limit = Duration::from_secs(120);
-    let start = std::time::Instant::now();
-    loop {
-        let n = dispatched_count(client).await;
-        if n >= from + more {
-            return;
+    let wanted = from + more;
+    let explain = || async {
+        let mut fresh = String::new();
+        for i in 0..3 {
+            let outcome = fresh_publish(&cluster.url(i), exchange).await;
+            fresh.push_str(&format!("node {i}: {outcome}\n"));
         }
-        if start.elapsed() > limit {
-            let mut fresh = String::new();
-            for i in 0..3 {
-                let outcome = fresh_publish(&cluster.url(i), exchange).await;
-                fresh.push_str(&format!("node {i}: {outcome}\n"));
-            }
-            panic!(
-                "timed out after {limit:?} waiting for {what}: {n} dispatched, {} wanted\n{}\none publish on a fresh connection to each node:\n{fresh}relay log (above debug):\n{}",
-                from + more,
-                cluster.run(&["status"]).await,
-                relay.log_tail(40)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        format!(
+            ": {} dispatched, {wanted} wanted\n{}\none publish on a fresh connection to each node:\n{fresh}relay log (above debug):\n{}",
+            dispatched_count(client).await,
+            cluster.run(&["status"]).await,
+            relay.log_tail(40)
+        )
+    };
+    wait_for_explained(
+        what,
+        Duration::from_secs(120),
+        || async { (dispatched_count(client).await >= wanted).then_some(()) },
+        explain,
+    )
+    .await;
 }
 
 /// What the broker says to one publish with confirms on a new connection: whether the
@@ -346,7 +345,7 @@ async fn quorum_queue_keeps_every_confirmed_event_through_two_node_stops() {
         ShortString::from("x-queue-type"),
         AMQPValue::LongString(LongString::from("quorum")),
     );
-    declare_bound_queue(&ch, &queue, &exchange, args).await;
+    declare_bound_queue(&ch, &queue, &exchange, "#", args).await;
     let _ = setup.close(200, "declared".into()).await;
 
     let urls = cluster.urls().await;

@@ -174,7 +174,7 @@ async fn a_session_that_only_gets_nacks_is_replaced() {
         ShortString::from("x-overflow"),
         AMQPValue::LongString(LongString::from("reject-publish")),
     );
-    declare_bound_queue(&ch, &full, &broker.exchange, args).await;
+    declare_bound_queue(&ch, &full, &broker.exchange, "#", args).await;
     let client = db.client().await;
     let committed = db.insert(&client, 500, 100).await;
     let mut relay = RelayProcess::start(&unique("nacked"), &relay_args(&db, &broker, &[]));

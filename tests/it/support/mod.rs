@@ -56,10 +56,26 @@ pub fn amqp_url() -> String {
 }
 
 /// Waits until `check` returns `Some`, polling every 20 ms; panics with `what` after `limit`.
-pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
+{
+    wait_for_explained(what, limit, check, || async { String::new() }).await
+}
+
+/// As [`wait_for`]; a timeout's panic adds what `explain` then says (the state of things).
+pub async fn wait_for_explained<T, F, Fut, E, EFut>(
+    what: &str,
+    limit: Duration,
+    mut check: F,
+    explain: E,
+) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+    E: FnOnce() -> EFut,
+    EFut: Future<Output = String>,
 {
     let start = Instant::now();
     loop {
@@ -67,7 +83,10 @@ where
             return v;
         }
         if start.elapsed() > limit {
-            panic!("timed out after {limit:?} waiting for {what}");
+            panic!(
+                "timed out after {limit:?} waiting for {what}{}",
+                explain().await
+            );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -324,11 +343,13 @@ impl Received {
     }
 }
 
-/// Declares a durable queue with `args` and binds it to `exchange` for every routing key.
+/// Declares a durable queue with `args` and binds it to `exchange` with `binding` (`#` for
+/// every routing key; empty: not bound).
 pub async fn declare_bound_queue(
     ch: &lapin::Channel,
     queue: &str,
     exchange: &str,
+    binding: &str,
     args: FieldTable,
 ) {
     let durable = QueueDeclareOptions {
@@ -336,15 +357,17 @@ pub async fn declare_bound_queue(
         ..Default::default()
     };
     ch.queue_declare(queue.into(), durable, args).await.unwrap();
-    ch.queue_bind(
-        queue.into(),
-        exchange.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    if !binding.is_empty() {
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            binding.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
 }
 
 /// An exchange and a queue bound to it, with everything received recorded in order.
@@ -383,28 +406,7 @@ impl Broker {
         )
         .await
         .unwrap();
-        ch.queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                auto_delete: false,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .unwrap();
-        if !binding.is_empty() {
-            ch.queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                binding.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        }
+        declare_bound_queue(&ch, &queue, &exchange, binding, args).await;
         let received = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
         let mut consumer = ch
