@@ -24,16 +24,16 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::config::Schema;
-use crate::consumer::runner::{
+use crate::relay::{self, Deps, RelayConfig, RelayError};
+use crate::telemetry::Telemetry;
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::consumer::runner::{
     self, ConsumerConfig, ConsumerDeps, ConsumerError, Context, Handler, HandlerError, Message,
 };
-use crate::db::{DbError, DbTarget, deadline};
-use crate::producer::{NewEvent, Outbox, ProduceError};
-use crate::relay::publish::AmqpTarget;
-use crate::relay::{self, Deps, RelayConfig, RelayError};
-use crate::schema::{self, MigrateError};
-use crate::telemetry::Telemetry;
+use outbox_kit::contract::Schema;
+use outbox_kit::db::{DbError, DbTarget, deadline};
+use outbox_kit::producer::{NewEvent, Outbox, ProduceError};
+use outbox_kit::schema::{self, MigrateError};
 
 /// The comment a demo database carries; a database without it is never dropped.
 pub const DEMO_MARK: &str =

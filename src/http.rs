@@ -21,10 +21,12 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Secret;
-use crate::db::{DbError, deadline};
 use crate::operator::{self, ParkedFilter};
-use crate::telemetry::{Down, Telemetry};
+use outbox_kit::contract::Secret;
+use outbox_kit::db::{DbError, deadline};
+use outbox_kit::down::Down;
+
+use crate::telemetry::Telemetry;
 
 /// How often the sampler looks at the table.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);

@@ -1,22 +1,17 @@
-//! outbox-relay: a transactional outbox relay and consumer kit for Postgres and RabbitMQ.
+//! outbox-relay: the relay of a transactional outbox on Postgres and RabbitMQ, run as a
+//! sidecar. It publishes committed `outbox_events` rows to a RabbitMQ exchange with publisher
+//! confirms and marks them dispatched only after the broker's ack ([`relay::run`]); it also
+//! holds the operator commands ([`operator`]), the HTTP endpoint ([`http`]), the relay's
+//! telemetry ([`telemetry`]) and the demo ([`demo`]).
 //!
-//! Services write event rows into `outbox_events` in the same transaction as their
-//! change ([`producer`], or plain SQL). The relay ([`relay::run`]) publishes committed
-//! rows to a RabbitMQ exchange with publisher confirms and marks them dispatched only
-//! after the broker's ack.
+//! Services do not link this crate: the producer API, the consumer kit and the contract are
+//! in `outbox-kit`.
 //!
-//! Architecture invariant: the library never reads the environment or argv; `main` parses
-//! flags into [`config::Config`] and passes connections and a shutdown token in.
+//! Architecture invariant: the library never reads the environment or argv; the binary
+//! parses flags (src/cli/) and passes connections and a shutdown token in.
 
-pub mod config;
-pub mod consumer;
-pub mod db;
 pub mod demo;
 pub mod http;
 pub mod operator;
-pub mod producer;
 pub mod relay;
-pub mod schema;
 pub mod telemetry;
-pub mod testkit;
-pub mod tls;

@@ -8,14 +8,19 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use clap::error::ErrorKind;
-use outbox_relay::config::{Cli, Command, Config, LogFormat, Schema, SecretFiles};
-use outbox_relay::db::DbTarget;
+mod cli;
+
+use cli::{Cli, Command, Config, LogFormat, SecretFiles};
+use outbox_kit::backoff::Backoff;
+use outbox_kit::contract::Schema;
+use outbox_kit::db::DbTarget;
+use outbox_kit::down::Down;
+use outbox_kit::schema::{self, MigrateError};
 use outbox_relay::demo::{self, DemoError};
 use outbox_relay::http;
 use outbox_relay::operator;
-use outbox_relay::relay::{self, Backoff, Deps};
-use outbox_relay::schema::{self, MigrateError};
-use outbox_relay::telemetry::{self, Down, Telemetry};
+use outbox_relay::relay::{self, Deps};
+use outbox_relay::telemetry::{self, Telemetry};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
@@ -163,7 +168,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
                 .await
                 .context("cannot connect to postgres")?;
             loop {
-                let report = outbox_relay::consumer::reconcile::review(&client, &reconcile)
+                let report = outbox_kit::consumer::reconcile::review(&client, &reconcile)
                     .await
                     .context("reconcile failed")?;
                 print_reconcile(&report, &reconcile);
@@ -324,8 +329,8 @@ async fn run_demo(cfg: demo::DemoConfig) -> anyhow::Result<()> {
 
 /// One line per stuck effect (for review), then a summary line.
 fn print_reconcile(
-    report: &outbox_relay::consumer::reconcile::Report,
-    cfg: &outbox_relay::consumer::reconcile::ReconcileConfig,
+    report: &outbox_kit::consumer::reconcile::Report,
+    cfg: &outbox_kit::consumer::reconcile::ReconcileConfig,
 ) {
     for s in &report.review {
         println!(

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use crate::db::{DbError, deadline};
+use outbox_kit::db::{DbError, deadline};
 
 /// Which parked rows a command is about. Empty fields do not filter.
 #[derive(Clone, Debug, Default)]

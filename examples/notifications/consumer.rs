@@ -10,9 +10,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_relay::consumer::effects::{Ledger, Performed};
-use outbox_relay::consumer::runner::Context;
-use outbox_relay::consumer::{
+use outbox_kit::consumer::effects::{Ledger, Performed};
+use outbox_kit::consumer::runner::Context;
+use outbox_kit::consumer::{
     Destination, DestinationError, Effect, EffectError, Handler, HandlerError, Message,
 };
 use serde_json::json;

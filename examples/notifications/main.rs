@@ -23,12 +23,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_relay::config::Schema;
-use outbox_relay::consumer::effects::{EffectsConfig, Ledger};
-use outbox_relay::consumer::runner::{self, ConsumerConfig, ConsumerDeps};
-use outbox_relay::db::DbTarget;
-use outbox_relay::producer::Outbox;
-use outbox_relay::relay::{self, Deps, RelayConfig, publish::AmqpTarget};
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::consumer::effects::{EffectsConfig, Ledger};
+use outbox_kit::consumer::runner::{self, ConsumerConfig, ConsumerDeps};
+use outbox_kit::contract::Schema;
+use outbox_kit::db::DbTarget;
+use outbox_kit::producer::Outbox;
+use outbox_relay::relay::{self, Deps, RelayConfig};
 use tokio_util::sync::CancellationToken;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -155,7 +156,7 @@ async fn demo(flags: &HashMap<String, String>) -> Result<(), Error> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
     let mut client = db.connect(&schema, "notifications-demo").await?;
-    outbox_relay::schema::migrate(&mut client, &schema).await?;
+    outbox_kit::schema::migrate(&mut client, &schema).await?;
     tickets::setup(&client).await?;
 
     let faults = provider::Faults {

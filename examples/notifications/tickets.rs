@@ -6,10 +6,10 @@
 //! sends it. A tenant out of budget still gets its status change: the delivery is recorded
 //! failed with the reason instead (a savepoint undoes just the reservation attempt).
 
-use outbox_relay::consumer::budget;
-use outbox_relay::consumer::effects::{Cancelled, EffectError, Ledger, NewEffect};
-use outbox_relay::consumer::{Destination, HandlerError};
-use outbox_relay::producer::{NewEvent, Outbox};
+use outbox_kit::consumer::budget;
+use outbox_kit::consumer::effects::{Cancelled, EffectError, Ledger, NewEffect};
+use outbox_kit::consumer::{Destination, HandlerError};
+use outbox_kit::producer::{NewEvent, Outbox};
 use serde_json::json;
 use tokio_postgres::Client;
 

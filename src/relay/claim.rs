@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use super::hand::Key;
 use super::publish::Acked;
-use crate::db::{DbError, deadline};
+use outbox_kit::db::{DbError, deadline};
 
 /// A pending row as claimed, with everything needed to publish it.
 #[derive(Clone, Debug)]

@@ -397,7 +397,7 @@ impl Hand {
         max: std::time::Duration,
         now: Instant,
     ) -> Instant {
-        now + super::retry_delay(attempts, min, max)
+        now + outbox_kit::backoff::retry_delay(attempts, min, max)
     }
 }
 

@@ -13,9 +13,11 @@ use tokio::sync::mpsc;
 use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Schema;
-use crate::db::{DbError, DbTarget, deadline};
-use crate::telemetry::{Down, Telemetry};
+use outbox_kit::contract::Schema;
+use outbox_kit::db::{DbError, DbTarget, deadline};
+use outbox_kit::down::Down;
+
+use crate::telemetry::Telemetry;
 
 /// What the listener tells the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,11 +30,6 @@ pub enum ListenEvent {
     Lost,
 }
 
-/// The NOTIFY channel the wake-up trigger uses for `schema`.
-pub fn channel_name(schema: &Schema) -> String {
-    format!("outbox_events:{schema}")
-}
-
 const LIVENESS_CHECK: Duration = Duration::from_secs(15);
 
 /// Runs until `shutdown`, reconnecting with backoff.
@@ -43,7 +40,8 @@ pub async fn run(
     tel: Telemetry,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = super::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+    let mut backoff =
+        outbox_kit::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
     let mut down = Down::new("listen");
     let mut connections = 0u64;
     loop {
@@ -102,7 +100,7 @@ async fn session(
         Err(DbError::Closed)
     });
     let guard = AbortOnDrop(Some(driver));
-    deadline(client.batch_execute(&format!("LISTEN \"{}\"", channel_name(schema)))).await?;
+    deadline(client.batch_execute(&format!("LISTEN \"{}\"", schema.notify_channel()))).await?;
     down.recovered();
     *connections += 1;
     tel.listen_state(true, *connections > 1);

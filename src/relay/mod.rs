@@ -32,13 +32,17 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::DelayQueue;
 
-use crate::config::Schema;
-use crate::db::{DbError, DbTarget, deadline};
-use crate::telemetry::{Down, SettledCounts, Telemetry};
+use outbox_kit::contract::Schema;
+use outbox_kit::db::{DbError, DbTarget, deadline};
+use outbox_kit::down::Down;
+
+use crate::telemetry::{SettledCounts, Telemetry};
 use claim::{Claimed, Failure, FailureKind, LeaseRound, Recorded};
 use hand::{Hand, Key};
 use listen::ListenEvent;
-use publish::{Acked, AmqpTarget, Outcome, PublishError, Session, SessionConfig, SettledBatch};
+use outbox_kit::amqp::{AmqpError, AmqpTarget};
+use outbox_kit::backoff::Backoff;
+use publish::{Acked, Outcome, Session, SessionConfig, SettledBatch};
 
 /// What a parked row does to the later rows of its key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,49 +173,6 @@ fn hostname() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// Exponential delays with jitter for reconnects and retries of database operations.
-#[derive(Debug)]
-pub struct Backoff {
-    min: Duration,
-    max: Duration,
-    attempt: u32,
-}
-
-impl Backoff {
-    pub fn new(min: Duration, max: Duration) -> Backoff {
-        Backoff {
-            min,
-            max,
-            attempt: 0,
-        }
-    }
-
-    pub fn next_delay(&mut self) -> Duration {
-        self.attempt = self.attempt.saturating_add(1);
-        retry_delay(self.attempt as i32, self.min, self.max)
-    }
-
-    pub fn reset(&mut self) {
-        self.attempt = 0;
-    }
-}
-
-/// The delay before attempt `attempts + 1`: `min` doubling per attempt up to `max`, with
-/// jitter (backon's exponential backoff).
-pub fn retry_delay(attempts: i32, min: Duration, max: Duration) -> Duration {
-    use backon::BackoffBuilder;
-    let n = attempts.clamp(1, 64) as usize;
-    backon::ExponentialBuilder::default()
-        .with_min_delay(min)
-        .with_max_delay(max)
-        .with_jitter()
-        .without_max_times()
-        .build()
-        .nth(n - 1)
-        .unwrap_or(max)
-        .min(max)
-}
-
 /// New rows in one claim that mark the relay as busy: rows arrive faster than a NOTIFY per
 /// transaction is worth; it turns the insert wake-up off and polls back to back.
 const BUSY_CLAIM_ROWS: usize = 8;
@@ -331,7 +292,7 @@ enum Done {
     Failures(Vec<(Key, Failure)>, Result<Vec<(i64, Recorded)>, DbError>),
     Lease(Instant, Vec<i32>, Result<LeaseRound, DbError>),
     Wakeup(bool, Result<(), DbError>),
-    Connected(u64, Result<Session, PublishError>),
+    Connected(u64, Result<Session, AmqpError>),
 }
 
 struct ClaimMeta {

@@ -28,210 +28,22 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::{FutureExt, future::BoxFuture};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
-use lapin::uri::AMQPUri;
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Confirmation, Connection, ExchangeKind};
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use outbox_kit::amqp::{self, AmqpError, AmqpTarget, long_string, rpc};
+
 use super::claim::ClaimedRow;
 use super::hand::Key;
-
-/// Where the broker is: one URL, or several (a cluster) tried in order. Debug and Display
-/// never show the password.
-#[derive(Clone)]
-pub struct AmqpTarget {
-    uris: Vec<AMQPUri>,
-    /// Extra trusted CA certificates (PEM) for amqps://, besides the system's.
-    ca_pem: Option<String>,
-    /// The URL to try first next time: the one that last worked. Shared by clones, so a
-    /// reconnect starts where the last success was.
-    next: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl fmt::Debug for AmqpTarget {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "AmqpTarget({self})")
-    }
-}
-
-impl fmt::Display for AmqpTarget {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, uri) in self.uris.iter().enumerate() {
-            let scheme = match uri.scheme {
-                lapin::uri::AMQPScheme::AMQP => "amqp",
-                lapin::uri::AMQPScheme::AMQPS => "amqps",
-            };
-            let a = &uri.authority;
-            let sep = if i == 0 { "" } else { "," };
-            write!(
-                f,
-                "{sep}{scheme}://{}@{}:{}/{}",
-                a.userinfo.username, a.host, a.port, uri.vhost
-            )?;
-        }
-        Ok(())
-    }
-}
-
-impl AmqpTarget {
-    /// One URL, or several separated by commas: the nodes of a cluster, tried in that
-    /// order (after a failure the next one; after a success that one first).
-    pub fn parse(raw: &str) -> Result<AmqpTarget, String> {
-        let mut uris = Vec::new();
-        for one in raw.split(',').map(str::trim) {
-            uris.push(Self::parse_one(one)?);
-        }
-        if uris.windows(2).any(|w| w[0].scheme != w[1].scheme) {
-            return Err(
-                "all URLs of the list must use the same scheme (amqp:// or amqps://)".into(),
-            );
-        }
-        Ok(AmqpTarget {
-            uris,
-            ca_pem: None,
-            next: Arc::default(),
-        })
-    }
-
-    fn parse_one(raw: &str) -> Result<AMQPUri, String> {
-        if !(raw.starts_with("amqp://") || raw.starts_with("amqps://")) {
-            return Err(
-                "must start with amqp:// or amqps:// (several URLs: separate them with commas)"
-                    .into(),
-            );
-        }
-        let mut uri = AMQPUri::from_str(raw).map_err(|e| format!("not a valid AMQP URL ({e})"))?;
-        if uri.authority.host.is_empty() {
-            return Err("names no host; write it like amqp://user:pass@host:5672/%2f".into());
-        }
-        // A dead peer must be noticed: heartbeats every 10 s unless the URL says otherwise.
-        uri.query.heartbeat.get_or_insert(10);
-        uri.query.connection_timeout.get_or_insert(10_000);
-        Ok(uri)
-    }
-
-    /// Trusts the CA certificates in the PEM file `path` for amqps:// connections.
-    pub fn with_ca_file(mut self, path: &std::path::Path) -> Result<AmqpTarget, String> {
-        if self.uris[0].scheme != lapin::uri::AMQPScheme::AMQPS {
-            return Err("a CA file needs an amqps:// URL".into());
-        }
-        let pem = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        if !pem.contains("-----BEGIN CERTIFICATE-----") {
-            return Err(format!("{} holds no PEM certificate", path.display()));
-        }
-        self.ca_pem = Some(pem);
-        Ok(self)
-    }
-
-    /// The same broker on another port (tests point the relay at a proxy).
-    pub fn with_port(&self, port: u16) -> AmqpTarget {
-        let mut t = self.clone();
-        t.next = Arc::default();
-        for uri in &mut t.uris {
-            uri.authority.port = port;
-        }
-        t
-    }
-
-    pub fn port(&self) -> u16 {
-        self.uris[0].authority.port
-    }
-
-    /// Connects to the first URL that answers, starting with the one that last worked.
-    pub async fn connect(&self, name: &str) -> Result<Connection, PublishError> {
-        use std::sync::atomic::Ordering;
-        let start = self.next.load(Ordering::Relaxed);
-        let mut last = None;
-        for i in 0..self.uris.len() {
-            let at = (start + i) % self.uris.len();
-            match self.connect_to(&self.uris[at], name).await {
-                Ok(conn) => {
-                    self.next.store(at, Ordering::Relaxed);
-                    return Ok(conn);
-                }
-                Err(e) => {
-                    if self.uris.len() > 1 {
-                        tracing::debug!(target: "outbox_relay", node = at, error = %e, "broker node unreachable; trying the next");
-                    }
-                    last = Some(e);
-                }
-            }
-        }
-        self.next
-            .store((start + 1) % self.uris.len(), Ordering::Relaxed);
-        Err(last.expect("at least one URL"))
-    }
-
-    async fn connect_to(&self, uri: &AMQPUri, name: &str) -> Result<Connection, PublishError> {
-        let props = ConnectionProperties::default().with_connection_name(name.into());
-        // Extra trusted roots for amqps:// (the system's are always trusted too).
-        let tls = lapin::tcp::OwnedTLSConfig {
-            identity: None,
-            cert_chain: self.ca_pem.clone(),
-        };
-        let connect = Connection::connect_uri_with_config(
-            uri.clone(),
-            props,
-            tls,
-            lapin::runtime::default_runtime()?,
-        );
-        let conn = tokio::time::timeout(CONNECT_TIMEOUT, connect)
-            .await
-            .map_err(|_| PublishError::Timeout("connect"))??;
-        Ok(conn)
-    }
-}
-
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
-const RPC_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// Exchange names the relay accepts: 1-255 bytes of letters, digits, `-`, `_`, `.`, `:`.
-pub fn validate_exchange(name: &str) -> Result<String, String> {
-    if name.is_empty() || name.len() > 255 {
-        return Err("must be 1 to 255 characters (the default exchange cannot be used)".into());
-    }
-    if !name
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
-    {
-        return Err(format!(
-            "'{name}' may only contain letters, digits, '-', '_', '.' and ':'"
-        ));
-    }
-    Ok(name.to_owned())
-}
-
-/// An AMQP failure at the module boundary.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PublishError {
-    /// The connection or a channel failed.
-    #[error("rabbitmq: {0}")]
-    Amqp(#[from] lapin::Error),
-    /// The broker did not answer in time.
-    #[error("rabbitmq: no answer to {0} in time")]
-    Timeout(&'static str),
-}
-
-async fn rpc<T>(
-    what: &'static str,
-    fut: impl Future<Output = lapin::Result<T>>,
-) -> Result<T, PublishError> {
-    match tokio::time::timeout(RPC_TIMEOUT, fut).await {
-        Ok(r) => Ok(r?),
-        Err(_) => Err(PublishError::Timeout(what)),
-    }
-}
 
 /// A broker ack without a return for this row. Only this module makes them; marking rows
 /// dispatched takes nothing else.
@@ -439,10 +251,6 @@ pub fn prepare(
     })
 }
 
-fn long_string(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
-}
-
 fn json_size(v: &Value) -> usize {
     match v {
         Value::String(s) => s.len() + 5,
@@ -535,24 +343,16 @@ impl Session {
         config: &SessionConfig,
         generation: u64,
         settled: mpsc::UnboundedSender<SettledBatch>,
-    ) -> Result<Session, PublishError> {
+    ) -> Result<Session, AmqpError> {
         let conn = target.connect(&config.connection_name).await?;
         let lost = Lost::default();
         let setup = async {
             let ch = rpc("channel.open", conn.create_channel()).await?;
-            let options = ExchangeDeclareOptions {
-                durable: true,
-                passive: !config.declare_exchange,
-                ..ExchangeDeclareOptions::default()
-            };
-            rpc(
-                "exchange.declare",
-                ch.exchange_declare(
-                    config.exchange.as_str().into(),
-                    ExchangeKind::Topic,
-                    options,
-                    FieldTable::default(),
-                ),
+            amqp::declare_exchange(
+                &ch,
+                &config.exchange,
+                ExchangeKind::Topic,
+                !config.declare_exchange,
             )
             .await?;
             let _ = rpc("channel.close", ch.close(200, "ok".into())).await;
@@ -578,7 +378,7 @@ impl Session {
                 tokio::spawn(lane.run(rx));
                 lanes.push(tx);
             }
-            Ok::<_, PublishError>(lanes)
+            Ok::<_, AmqpError>(lanes)
         };
         let lanes = match setup.await {
             Ok(lanes) => lanes,
@@ -1091,22 +891,6 @@ mod tests {
         assert!(h.contains_key("traceparent"));
         assert!(h.contains_key("x-outbox-created-at"));
         assert_eq!(&*p.body, "{}");
-    }
-
-    #[test]
-    fn a_url_list_is_a_failover_order() {
-        let t =
-            AmqpTarget::parse("amqp://u:secret@a:5672/%2f, amqp://u:secret@b:5673/%2f").unwrap();
-        assert_eq!(t.uris.len(), 2);
-        assert_eq!(t.to_string(), "amqp://u@a:5672//,amqp://u@b:5673//");
-        assert!(
-            AmqpTarget::parse("amqp://a/%2f,amqps://b/%2f").is_err(),
-            "one scheme"
-        );
-        assert!(
-            AmqpTarget::parse("amqp://a/%2f,").is_err(),
-            "no empty entries"
-        );
     }
 
     #[test]

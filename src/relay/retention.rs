@@ -12,8 +12,10 @@ use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::{DbError, deadline};
-use crate::telemetry::{Down, Telemetry};
+use outbox_kit::db::{DbError, deadline};
+use outbox_kit::down::Down;
+
+use crate::telemetry::Telemetry;
 
 const BATCH: i64 = 5_000;
 

@@ -21,8 +21,8 @@ use lapin::options::{
     ConfirmSelectOptions, ExchangeDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use outbox_relay::relay::publish::AmqpTarget;
-use outbox_relay::testkit::checker::{self, Delivery};
+use outbox_kit::amqp::AmqpTarget;
+use outbox_testkit::checker::{self, Delivery};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::process::RelayProcess;

@@ -6,13 +6,13 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_relay::consumer::budget;
-use outbox_relay::consumer::effects::{
+use outbox_kit::consumer::budget;
+use outbox_kit::consumer::effects::{
     Cancelled, EffectError, EffectState, EffectsConfig, Ledger, NewEffect, Performed,
 };
-use outbox_relay::consumer::reconcile::{self, ReconcileConfig, Resolution};
-use outbox_relay::consumer::runner::{Context, OnGap, Ordered};
-use outbox_relay::consumer::{DestinationError, Handler, HandlerError, Message};
+use outbox_kit::consumer::reconcile::{self, ReconcileConfig, Resolution};
+use outbox_kit::consumer::runner::{Context, OnGap, Ordered};
+use outbox_kit::consumer::{DestinationError, Handler, HandlerError, Message};
 use serde_json::json;
 use tokio::sync::Notify;
 use tokio_postgres::Client;
@@ -78,7 +78,7 @@ async fn applied(client: &Client) -> Vec<(String, Option<i64>, uuid::Uuid)> {
 }
 
 async fn queue_depth(queue: &str) -> u32 {
-    let conn = outbox_relay::relay::publish::AmqpTarget::parse(&crate::support::amqp_url())
+    let conn = outbox_kit::amqp::AmqpTarget::parse(&crate::support::amqp_url())
         .unwrap()
         .connect("outbox-it-depth")
         .await

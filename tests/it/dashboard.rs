@@ -7,10 +7,10 @@ use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use outbox_relay::config::Secret;
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::contract::Secret;
 use outbox_relay::http::{self, HttpState};
 use outbox_relay::relay::Deps;
-use outbox_relay::relay::publish::AmqpTarget;
 use outbox_relay::telemetry::Telemetry;
 use serde_json::json;
 use tokio::net::TcpListener;

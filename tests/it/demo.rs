@@ -2,9 +2,9 @@
 //! own database, exchange and queue names.
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use outbox_relay::config::Schema;
-use outbox_relay::db::DbTarget;
-use outbox_relay::relay::publish::AmqpTarget;
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::contract::Schema;
+use outbox_kit::db::DbTarget;
 
 use crate::support::process::run_to_end;
 use crate::support::{admin_url, amqp_url, rabbitmqctl, unique};

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use lapin::options::{BasicGetOptions, BasicNackOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use outbox_relay::relay::publish::AmqpTarget;
+use outbox_kit::amqp::AmqpTarget;
 use serde_json::{Value, json};
 
 use crate::support::process::{RelayProcess, binary, run_to_end};

@@ -3,7 +3,6 @@
 
 mod support;
 
-mod bench_smoke;
 mod cluster;
 mod consumer;
 mod dashboard;
@@ -17,4 +16,3 @@ mod relay_core;
 mod relay_faults;
 mod roles;
 mod scale_out;
-mod soak;

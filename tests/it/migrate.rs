@@ -2,16 +2,16 @@
 
 use std::time::Duration;
 
-use outbox_relay::config::Schema;
-use outbox_relay::schema::{MigrateError, migrate};
+use outbox_kit::contract::Schema;
+use outbox_kit::schema::{MigrateError, migrate};
 
 use crate::support::checker::check;
 use crate::support::process::run_to_end;
 use crate::support::{Broker, InProcessRelay, TestDb, admin_url, test_config, unique};
 
-async fn empty_db() -> (String, outbox_relay::db::DbTarget) {
+async fn empty_db() -> (String, outbox_kit::db::DbTarget) {
     let name = unique("it");
-    let admin = outbox_relay::db::DbTarget::parse(&admin_url()).unwrap();
+    let admin = outbox_kit::db::DbTarget::parse(&admin_url()).unwrap();
     let client = admin
         .connect(&Schema::default(), "outbox-it-admin")
         .await
@@ -34,11 +34,11 @@ async fn concurrent_migrations_apply_once() {
     let (ra, rb) = (ra.unwrap(), rb.unwrap());
     assert_eq!(
         ra.applied.len() + rb.applied.len(),
-        outbox_relay::schema::MIGRATIONS.len()
+        outbox_kit::schema::MIGRATIONS.len()
     );
     let again = migrate(&mut a, &schema).await.unwrap();
     assert!(again.applied.is_empty());
-    assert_eq!(again.already, outbox_relay::schema::MIGRATIONS.len());
+    assert_eq!(again.already, outbox_kit::schema::MIGRATIONS.len());
 }
 
 /// An applied migration whose checksum no longer matches is refused, by the library and
@@ -116,7 +116,7 @@ async fn a_custom_schema_works_end_to_end() {
 /// the millisecond the id was made, so later rows sort after earlier ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_ids_are_time_ordered_uuid_v7() {
-    use outbox_relay::producer::{NewEvent, Outbox};
+    use outbox_kit::producer::{NewEvent, Outbox};
     let now_ms = || {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -197,7 +197,7 @@ async fn rows_numbered_before_0007_keep_their_numbers() {
     let (_, target) = empty_db().await;
     let schema = Schema::default();
     let client = target.connect(&schema, "m").await.unwrap();
-    let apply = |m: &'static outbox_relay::schema::Migration| {
+    let apply = |m: &'static outbox_kit::schema::Migration| {
         let client = &client;
         async move {
             client
@@ -206,7 +206,7 @@ async fn rows_numbered_before_0007_keep_their_numbers() {
                 .unwrap_or_else(|e| panic!("{}: {e}", m.name));
         }
     };
-    let (before, after): (Vec<_>, Vec<_>) = outbox_relay::schema::MIGRATIONS
+    let (before, after): (Vec<_>, Vec<_>) = outbox_kit::schema::MIGRATIONS
         .iter()
         .partition(|m| m.version < 7);
     for m in before {

@@ -18,11 +18,11 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_relay::consumer::budget;
-use outbox_relay::consumer::effects::{EffectState, EffectsConfig, Ledger};
-use outbox_relay::consumer::reconcile::{self, ReconcileConfig, Resolution};
-use outbox_relay::consumer::runner::ConsumerConfig;
-use outbox_relay::producer::Outbox;
+use outbox_kit::consumer::budget;
+use outbox_kit::consumer::effects::{EffectState, EffectsConfig, Ledger};
+use outbox_kit::consumer::reconcile::{self, ReconcileConfig, Resolution};
+use outbox_kit::consumer::runner::ConsumerConfig;
+use outbox_kit::producer::Outbox;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 

@@ -4,10 +4,10 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use outbox_relay::config::{Schema, Secret};
-use outbox_relay::db::DbTarget;
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::contract::{Schema, Secret};
+use outbox_kit::db::DbTarget;
 use outbox_relay::http::{self, HttpState};
-use outbox_relay::relay::publish::AmqpTarget;
 use outbox_relay::relay::{Deps, RelayConfig};
 use outbox_relay::telemetry::Telemetry;
 use tokio_util::sync::CancellationToken;
@@ -557,7 +557,7 @@ async fn cloudevents_headers_arrive() {
 #[tokio::test(flavor = "current_thread")]
 async fn the_producer_takes_the_current_span_trace_context() {
     use opentelemetry::trace::{TraceContextExt, TracerProvider};
-    use outbox_relay::producer::{NewEvent, Outbox};
+    use outbox_kit::producer::{NewEvent, Outbox};
     use tracing::Instrument;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     use tracing_subscriber::layer::SubscriberExt;

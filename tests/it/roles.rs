@@ -8,10 +8,10 @@
 
 use std::time::Duration;
 
-use outbox_relay::db::DbTarget;
-use outbox_relay::producer::{NewEvent, Outbox};
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::db::DbTarget;
+use outbox_kit::producer::{NewEvent, Outbox};
 use outbox_relay::relay::Deps;
-use outbox_relay::relay::publish::AmqpTarget;
 use serde_json::json;
 use tokio_postgres::Client;
 

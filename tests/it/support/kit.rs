@@ -13,10 +13,10 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection};
-use outbox_relay::consumer::effects::{EffectsConfig, Ledger};
-use outbox_relay::consumer::runner::{self, ConsumerConfig, ConsumerDeps, Handler};
-use outbox_relay::consumer::{Destination, DestinationError, Effect};
-use outbox_relay::relay::publish::AmqpTarget;
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::consumer::effects::{EffectsConfig, Ledger};
+use outbox_kit::consumer::runner::{self, ConsumerConfig, ConsumerDeps, Handler};
+use outbox_kit::consumer::{Destination, DestinationError, Effect};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;

@@ -10,15 +10,15 @@
 
 /// The checker (in the library, shared with `outbox-soak`), taking test deliveries.
 pub mod checker {
-    pub use outbox_relay::testkit::checker::Report;
+    pub use outbox_testkit::checker::Report;
 
     pub fn check(committed: &[uuid::Uuid], received: &[super::Received]) -> Report {
         let deliveries: Vec<_> = received.iter().map(super::Received::delivery).collect();
-        outbox_relay::testkit::checker::check(committed, &deliveries)
+        outbox_testkit::checker::check(committed, &deliveries)
     }
 }
 
-pub use outbox_relay::testkit::proxy;
+pub use outbox_testkit::proxy;
 
 pub mod browser;
 pub mod kit;
@@ -38,22 +38,15 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ExchangeKind};
-use outbox_relay::config::Schema;
-use outbox_relay::db::DbTarget;
-use outbox_relay::relay::publish::AmqpTarget;
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::contract::Schema;
+use outbox_kit::db::DbTarget;
 use outbox_relay::relay::{Deps, Identity, RelayConfig};
 use tokio::sync::OnceCell;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
-pub fn admin_url() -> String {
-    std::env::var("IT_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-pub fn amqp_url() -> String {
-    std::env::var("IT_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
+pub use outbox_testkit::services::{admin_url, amqp_url};
 
 /// Waits until `check` returns `Some`, polling every 20 ms; panics with `what` after `limit`.
 pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, check: F) -> T
@@ -123,7 +116,7 @@ async fn template() -> &'static str {
                 .execute("SELECT pg_advisory_lock(4242)", &[])
                 .await
                 .unwrap();
-            let checksum: String = outbox_relay::schema::MIGRATIONS
+            let checksum: String = outbox_kit::schema::MIGRATIONS
                 .iter()
                 .map(|m| m.sql)
                 .collect();
@@ -148,7 +141,7 @@ async fn template() -> &'static str {
                     .connect(&Schema::default(), "outbox-it-admin")
                     .await
                     .unwrap();
-                outbox_relay::schema::migrate(&mut c, &Schema::default())
+                outbox_kit::schema::migrate(&mut c, &Schema::default())
                     .await
                     .unwrap();
                 drop(c);
@@ -310,8 +303,8 @@ pub struct Received {
 }
 
 impl Received {
-    pub fn delivery(&self) -> outbox_relay::testkit::checker::Delivery {
-        outbox_relay::testkit::checker::Delivery {
+    pub fn delivery(&self) -> outbox_testkit::checker::Delivery {
+        outbox_testkit::checker::Delivery {
             event_id: self.message_id.clone(),
             key: self.key(),
             seq: self.seq(),

@@ -1,0 +1,233 @@
+//! The broker connection both sides use: where the broker is ([`AmqpTarget`], one URL or a
+//! cluster's list), connecting with a deadline, one AMQP round trip with a deadline
+//! ([`rpc`]), and the declarations the relay and the consumer kit share.
+//!
+//! Invariant: every network await here has a deadline ([`CONNECT_TIMEOUT`], [`RPC_TIMEOUT`]).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::ExchangeDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::uri::AMQPUri;
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+
+/// Where the broker is: one URL, or several (a cluster) tried in order. Debug and Display
+/// never show the password.
+#[derive(Clone)]
+pub struct AmqpTarget {
+    uris: Vec<AMQPUri>,
+    /// Extra trusted CA certificates (PEM) for amqps://, besides the system's.
+    ca_pem: Option<String>,
+    /// The URL to try first next time: the one that last worked. Shared by clones, so a
+    /// reconnect starts where the last success was.
+    next: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl fmt::Debug for AmqpTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AmqpTarget({self})")
+    }
+}
+
+impl fmt::Display for AmqpTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, uri) in self.uris.iter().enumerate() {
+            let scheme = match uri.scheme {
+                lapin::uri::AMQPScheme::AMQP => "amqp",
+                lapin::uri::AMQPScheme::AMQPS => "amqps",
+            };
+            let a = &uri.authority;
+            let sep = if i == 0 { "" } else { "," };
+            write!(
+                f,
+                "{sep}{scheme}://{}@{}:{}/{}",
+                a.userinfo.username, a.host, a.port, uri.vhost
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl AmqpTarget {
+    /// One URL, or several separated by commas: the nodes of a cluster, tried in that
+    /// order (after a failure the next one; after a success that one first).
+    pub fn parse(raw: &str) -> Result<AmqpTarget, String> {
+        let mut uris = Vec::new();
+        for one in raw.split(',').map(str::trim) {
+            uris.push(Self::parse_one(one)?);
+        }
+        if uris.windows(2).any(|w| w[0].scheme != w[1].scheme) {
+            return Err(
+                "all URLs of the list must use the same scheme (amqp:// or amqps://)".into(),
+            );
+        }
+        Ok(AmqpTarget {
+            uris,
+            ca_pem: None,
+            next: Arc::default(),
+        })
+    }
+
+    fn parse_one(raw: &str) -> Result<AMQPUri, String> {
+        if !(raw.starts_with("amqp://") || raw.starts_with("amqps://")) {
+            return Err(
+                "must start with amqp:// or amqps:// (several URLs: separate them with commas)"
+                    .into(),
+            );
+        }
+        let mut uri = AMQPUri::from_str(raw).map_err(|e| format!("not a valid AMQP URL ({e})"))?;
+        if uri.authority.host.is_empty() {
+            return Err("names no host; write it like amqp://user:pass@host:5672/%2f".into());
+        }
+        // A dead peer must be noticed: heartbeats every 10 s unless the URL says otherwise.
+        uri.query.heartbeat.get_or_insert(10);
+        uri.query.connection_timeout.get_or_insert(10_000);
+        Ok(uri)
+    }
+
+    /// Trusts the CA certificates in the PEM file `path` for amqps:// connections.
+    pub fn with_ca_file(mut self, path: &std::path::Path) -> Result<AmqpTarget, String> {
+        if self.uris[0].scheme != lapin::uri::AMQPScheme::AMQPS {
+            return Err("a CA file needs an amqps:// URL".into());
+        }
+        let pem = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if !pem.contains("-----BEGIN CERTIFICATE-----") {
+            return Err(format!("{} holds no PEM certificate", path.display()));
+        }
+        self.ca_pem = Some(pem);
+        Ok(self)
+    }
+
+    /// The same broker on another port (tests point the relay at a proxy).
+    pub fn with_port(&self, port: u16) -> AmqpTarget {
+        let mut t = self.clone();
+        t.next = Arc::default();
+        for uri in &mut t.uris {
+            uri.authority.port = port;
+        }
+        t
+    }
+
+    pub fn port(&self) -> u16 {
+        self.uris[0].authority.port
+    }
+
+    /// Connects to the first URL that answers, starting with the one that last worked.
+    pub async fn connect(&self, name: &str) -> Result<Connection, AmqpError> {
+        use std::sync::atomic::Ordering;
+        let start = self.next.load(Ordering::Relaxed);
+        let mut last = None;
+        for i in 0..self.uris.len() {
+            let at = (start + i) % self.uris.len();
+            match self.connect_to(&self.uris[at], name).await {
+                Ok(conn) => {
+                    self.next.store(at, Ordering::Relaxed);
+                    return Ok(conn);
+                }
+                Err(e) => {
+                    if self.uris.len() > 1 {
+                        tracing::debug!(target: "outbox_relay", node = at, error = %e, "broker node unreachable; trying the next");
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        self.next
+            .store((start + 1) % self.uris.len(), Ordering::Relaxed);
+        Err(last.expect("at least one URL"))
+    }
+
+    async fn connect_to(&self, uri: &AMQPUri, name: &str) -> Result<Connection, AmqpError> {
+        let props = ConnectionProperties::default().with_connection_name(name.into());
+        // Extra trusted roots for amqps:// (the system's are always trusted too).
+        let tls = lapin::tcp::OwnedTLSConfig {
+            identity: None,
+            cert_chain: self.ca_pem.clone(),
+        };
+        let connect = Connection::connect_uri_with_config(
+            uri.clone(),
+            props,
+            tls,
+            lapin::runtime::default_runtime()?,
+        );
+        let conn = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| AmqpError::Timeout("connect"))??;
+        Ok(conn)
+    }
+}
+
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// An AMQP failure at the module boundary.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AmqpError {
+    /// The connection or a channel failed.
+    #[error("rabbitmq: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The broker did not answer in time.
+    #[error("rabbitmq: no answer to {0} in time")]
+    Timeout(&'static str),
+}
+
+pub async fn rpc<T>(
+    what: &'static str,
+    fut: impl Future<Output = lapin::Result<T>>,
+) -> Result<T, AmqpError> {
+    match tokio::time::timeout(RPC_TIMEOUT, fut).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(AmqpError::Timeout(what)),
+    }
+}
+
+/// An AMQP long string (the type RabbitMQ's plugins expect for text arguments and headers).
+pub fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// Declares a durable exchange of `kind` (idempotent; refused by the broker when it exists
+/// with other properties). `passive`: only check that it exists (the relay's `--no-declare`).
+pub async fn declare_exchange(
+    ch: &Channel,
+    name: &str,
+    kind: ExchangeKind,
+    passive: bool,
+) -> Result<(), AmqpError> {
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        passive,
+        ..ExchangeDeclareOptions::default()
+    };
+    rpc(
+        "exchange.declare",
+        ch.exchange_declare(name.into(), kind, durable, FieldTable::default()),
+    )
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_list_is_a_failover_order() {
+        let t =
+            AmqpTarget::parse("amqp://u:secret@a:5672/%2f, amqp://u:secret@b:5673/%2f").unwrap();
+        assert_eq!(t.uris.len(), 2);
+        assert_eq!(t.to_string(), "amqp://u@a:5672//,amqp://u@b:5673//");
+        assert!(
+            AmqpTarget::parse("amqp://a/%2f,amqps://b/%2f").is_err(),
+            "one scheme"
+        );
+        assert!(
+            AmqpTarget::parse("amqp://a/%2f,").is_err(),
+            "no empty entries"
+        );
+    }
+}

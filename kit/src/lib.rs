@@ -1,0 +1,23 @@
+//! outbox-kit: what a service links to take part in a transactional outbox on Postgres and
+//! RabbitMQ. No CLI, HTTP server, metrics exporter or log subscriber comes with it.
+//!
+//! - [`contract`]: the vocabulary of the public contract (schema name, message headers, name
+//!   rules, local defaults) shared with the relay;
+//! - [`schema`]: the SQL migrations (`sql/`) and [`schema::migrate`];
+//! - [`producer`]: enqueue events inside the caller's transaction;
+//! - [`consumer`]: inbox dedupe, ordered apply, effects ledger, budgets, reconciler;
+//! - [`db`], [`tls`], [`amqp`]: connecting to Postgres and RabbitMQ, every await with a deadline;
+//! - [`backoff`], [`down`]: retry delays and rate-limited "still down" logging.
+//!
+//! Architecture invariant: the library never reads the environment or argv; callers pass
+//! validated values in.
+
+pub mod amqp;
+pub mod backoff;
+pub mod consumer;
+pub mod contract;
+pub mod db;
+pub mod down;
+pub mod producer;
+pub mod schema;
+pub mod tls;

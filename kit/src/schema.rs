@@ -1,0 +1,154 @@
+//! Schema migrations: the numbered files in `sql/`, applied in order under an advisory
+//! lock, each recorded with a checksum.
+//!
+//! Invariants: a migration is applied at most once per schema (the lock serializes
+//! concurrent relays starting together); an applied migration whose file changed is
+//! refused with [`MigrateError::Changed`], never re-run or skipped silently. The files are
+//! plain SQL written for `search_path = <schema>`, so other tools can apply them too.
+
+use tokio_postgres::Client;
+
+use crate::contract::Schema;
+use crate::db::{DbError, deadline};
+
+/// One numbered migration file.
+pub struct Migration {
+    pub version: i32,
+    pub name: &'static str,
+    pub sql: &'static str,
+}
+
+/// Every migration, in order. Add new files at the end; never edit an applied one.
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_outbox.sql",
+        sql: include_str!("../../sql/0001_outbox.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_relay.sql",
+        sql: include_str!("../../sql/0002_relay.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "0003_consumer.sql",
+        sql: include_str!("../../sql/0003_consumer.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "0004_event_ids.sql",
+        sql: include_str!("../../sql/0004_event_ids.sql"),
+    },
+    Migration {
+        version: 5,
+        name: "0005_claim_plans.sql",
+        sql: include_str!("../../sql/0005_claim_plans.sql"),
+    },
+    Migration {
+        version: 6,
+        name: "0006_claim_held.sql",
+        sql: include_str!("../../sql/0006_claim_held.sql"),
+    },
+    Migration {
+        version: 7,
+        name: "0007_claim_numbers.sql",
+        sql: include_str!("../../sql/0007_claim_numbers.sql"),
+    },
+    Migration {
+        version: 8,
+        name: "0008_wakeup_hint.sql",
+        sql: include_str!("../../sql/0008_wakeup_hint.sql"),
+    },
+];
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MigrateError {
+    /// The database could not be reached or refused a statement.
+    #[error(transparent)]
+    Db(#[from] DbError),
+    /// A migration already applied no longer matches its file.
+    #[error(
+        "migration {name} was applied with checksum {applied} but the file now has {current}; \
+         applied migrations must not change: restore the file and put the change in a new migration"
+    )]
+    Changed {
+        name: String,
+        applied: String,
+        current: String,
+    },
+    /// The database has migrations this binary does not know (a newer relay migrated it).
+    #[error(
+        "schema has migration {version} that this outbox-relay does not know: upgrade outbox-relay"
+    )]
+    Unknown { version: i32 },
+}
+
+impl From<tokio_postgres::Error> for MigrateError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        MigrateError::Db(e.into())
+    }
+}
+
+const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS";
+const LOCK: &str =
+    "SELECT pg_advisory_xact_lock(hashtextextended('outbox-relay:migrate:' || $1::text, 0))";
+const CREATE_LEDGER: &str = "CREATE TABLE IF NOT EXISTS outbox_schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now())";
+const APPLIED: &str =
+    "SELECT version, name, checksum FROM outbox_schema_migrations ORDER BY version";
+const CHECKSUM: &str = "SELECT encode(sha256(convert_to($1::text, 'UTF8')), 'hex')";
+const RECORD: &str =
+    "INSERT INTO outbox_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)";
+
+/// What `migrate` did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct MigrateReport {
+    pub applied: Vec<String>,
+    pub already: usize,
+}
+
+/// Applies the pending migrations to `schema` in one transaction.
+pub async fn migrate(client: &mut Client, schema: &Schema) -> Result<MigrateReport, MigrateError> {
+    let tx = deadline(client.transaction()).await?;
+    // Lock first: two relays starting together must not race to create the schema.
+    deadline(tx.execute(LOCK, &[&schema.as_str()])).await?;
+    deadline(tx.batch_execute(&format!("{CREATE_SCHEMA} {schema}"))).await?;
+    deadline(tx.batch_execute(&format!("SET LOCAL search_path TO {schema}"))).await?;
+    deadline(tx.batch_execute(CREATE_LEDGER)).await?;
+
+    let applied = deadline(tx.query(APPLIED, &[])).await?;
+    let mut report = MigrateReport::default();
+    for row in &applied {
+        let version: i32 = row.get(0);
+        let name: String = row.get(1);
+        let checksum: String = row.get(2);
+        let Some(m) = MIGRATIONS.iter().find(|m| m.version == version) else {
+            return Err(MigrateError::Unknown { version });
+        };
+        let current: String = deadline(tx.query_one(CHECKSUM, &[&m.sql])).await?.get(0);
+        if current != checksum {
+            return Err(MigrateError::Changed {
+                name,
+                applied: checksum,
+                current,
+            });
+        }
+        report.already += 1;
+    }
+    for m in MIGRATIONS {
+        if applied.iter().any(|r| r.get::<_, i32>(0) == m.version) {
+            continue;
+        }
+        deadline(tx.batch_execute(m.sql)).await?;
+        let checksum: String = deadline(tx.query_one(CHECKSUM, &[&m.sql])).await?.get(0);
+        deadline(tx.execute(RECORD, &[&m.version, &m.name, &checksum])).await?;
+        report.applied.push(m.name.to_owned());
+    }
+    deadline(tx.commit()).await?;
+    Ok(report)
+}

@@ -1,0 +1,96 @@
+//! The benchmark program in smoke mode (every section at tiny sizes), so it cannot rot:
+//! it must exit 0, print its table, and write JSON with every section measured and a
+//! sweep chart.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::process::Command;
+
+use outbox_testkit::services::{admin_url, amqp_url, built_relay_beside};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_smoke_measures_every_section() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("bench_smoke_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json_path = dir.join("bench.json");
+    let svg_path = dir.join("sweep.svg");
+    let child = Command::new(env!("CARGO_BIN_EXE_outbox-bench"))
+        .arg("--smoke")
+        .arg("--json")
+        .arg(&json_path)
+        .arg("--svg")
+        .arg(&svg_path)
+        .arg("--relay-bin")
+        .arg(built_relay_beside(env!("CARGO_BIN_EXE_outbox-bench")))
+        .arg("--work-dir")
+        .arg(&dir)
+        .args(["--database-url", &admin_url(), "--amqp-url", &amqp_url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start outbox-bench");
+    let out = tokio::time::timeout(Duration::from_secs(300), child.wait_with_output())
+        .await
+        .expect("smoke run finishes within 5 minutes")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "outbox-bench --smoke failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(stdout.contains("| 1 | broker ceiling"), "{stdout}");
+    assert!(stdout.contains("Issue-6 targets"), "{stdout}");
+
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap())
+        .expect("the JSON report parses");
+    assert_eq!(report["mode"], "smoke");
+    for section in [
+        "broker_ceiling",
+        "drain",
+        "latency",
+        "producer_cost",
+        "growth",
+        "relay_resources",
+        "sweep",
+        "scale_out",
+    ] {
+        let v = &report[section];
+        assert!(
+            v.is_object() && v.get("error").is_none(),
+            "section {section} missing or failed: {v}"
+        );
+    }
+    assert!(report["broker_ceiling"]["rate"].as_f64().unwrap() > 0.0);
+    assert!(report["drain"]["rate"].as_f64().unwrap() > 0.0);
+    assert!(report["drain"]["ratio_to_ceiling"].as_f64().unwrap() > 0.0);
+    let runs = report["latency"]["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4, "two rates, with and without LISTEN");
+    for r in runs {
+        assert_eq!(r["missing"], 0, "every latency event arrived: {r}");
+        assert!(r["latency"]["samples"].as_u64().unwrap() > 0);
+    }
+    let producer = &report["producer_cost"];
+    assert_eq!(producer["runs"].as_array().unwrap().len(), 7);
+    assert!(producer["idle_wakeup"]["samples"].as_u64().unwrap() > 0);
+    assert!(report["growth"]["ratio"].as_f64().unwrap() > 0.0);
+    let scale = report["scale_out"]["points"].as_array().unwrap();
+    assert_eq!(scale.len(), 2, "one and two relays: {scale:?}");
+    assert!(scale.iter().all(|p| p["rate"].as_f64().unwrap() > 0.0));
+    assert!(report["relay_resources"]["peak_rss_mib"].as_f64().unwrap() > 0.0);
+    assert_eq!(report["sweep"]["points"].as_array().unwrap().len(), 4);
+    assert_eq!(report["targets"].as_array().unwrap().len(), 6);
+    assert_eq!(report["errors"].as_array().unwrap().len(), 0);
+
+    let svg = std::fs::read_to_string(&svg_path).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline"),
+        "{svg}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

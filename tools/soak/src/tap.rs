@@ -1,0 +1,212 @@
+//! The soak's own view of the broker: a tap queue bound to the exchange that records every
+//! delivery in arrival order (the delivery checker's input: lost, unexpected, duplicates,
+//! per-key order), and the duplicate publisher that sends copies of dispatched events
+//! straight to the exchange, as a misbehaving producer or a replay would.
+//!
+//! Both use their own connections, direct to the broker: they observe and inject, they are
+//! not under test.
+
+use std::sync::{Arc, Mutex};
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Connection, ExchangeKind};
+use outbox_kit::amqp::AmqpTarget;
+use outbox_testkit::checker::Delivery;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+
+pub struct Tap {
+    pub received: Arc<Mutex<Vec<Delivery>>>,
+    conn: Connection,
+    stop: CancellationToken,
+}
+
+/// Declares the exchange as the relay does (durable topic), so the tap can bind before the
+/// first relay starts.
+pub async fn declare_exchange(conn: &Connection, exchange: &str) -> anyhow::Result<()> {
+    let ch = conn.create_channel().await?;
+    ch.exchange_declare(
+        exchange.into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    let _ = ch.close(200, "declared".into()).await;
+    Ok(())
+}
+
+impl Tap {
+    pub async fn start(amqp: &AmqpTarget, exchange: &str, queue: &str) -> anyhow::Result<Tap> {
+        let conn = amqp.connect("outbox-soak-tap").await?;
+        declare_exchange(&conn, exchange).await?;
+        let ch = conn.create_channel().await?;
+        ch.basic_qos(1000, BasicQosOptions::default()).await?;
+        // Exclusive: it goes with the soak's connection, whatever happens to the soak.
+        ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                "tap".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let received: Arc<Mutex<Vec<Delivery>>> = Arc::default();
+        let stop = CancellationToken::new();
+        let (sink, s) = (received.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let d = tokio::select! {
+                    _ = s.cancelled() => return,
+                    d = consumer.next() => d,
+                };
+                let Some(Ok(d)) = d else {
+                    eprintln!("soak: the tap's consumer ended; deliveries after this are not seen");
+                    return;
+                };
+                sink.lock()
+                    .unwrap()
+                    .push(Delivery::from_amqp(&d.properties));
+                let _ = d.ack(BasicAckOptions::default()).await;
+            }
+        });
+        Ok(Tap {
+            received,
+            conn,
+            stop,
+        })
+    }
+
+    pub fn count(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+
+    pub fn deliveries(&self) -> Vec<Delivery> {
+        self.received.lock().unwrap().clone()
+    }
+
+    pub async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.conn.close(200, "soak done".into()).await;
+    }
+}
+
+const DISPATCHED: &str = "SELECT event_id, aggregate_type, aggregate_id, event_type, payload::text, seq,
+                                 to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
+                            FROM outbox_events
+                           WHERE dispatched_at IS NOT NULL
+                           ORDER BY random() LIMIT $1";
+
+/// Publishes copies of `count` dispatched events, as the relay publishes them (same
+/// message_id, headers and seq), with confirms. Returns how many the broker confirmed.
+pub async fn publish_copies(
+    amqp: &AmqpTarget,
+    db: &Client,
+    exchange: &str,
+    count: usize,
+) -> anyhow::Result<usize> {
+    let rows = db.query(DISPATCHED, &[&(count as i64)]).await?;
+    let conn = amqp.connect("outbox-soak-duplicator").await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut confirmed = 0;
+    for r in &rows {
+        let event_id: uuid::Uuid = r.get(0);
+        let (atype, aid, etype): (String, String, String) = (r.get(1), r.get(2), r.get(3));
+        let body: String = r.get(4);
+        let seq: Option<i64> = r.get(5);
+        let created: String = r.get(6);
+        let mut h = FieldTable::default();
+        let s = |v: &str| AMQPValue::LongString(LongString::from(v.as_bytes().to_vec()));
+        h.insert(ShortString::from("x-outbox-aggregate-type"), s(&atype));
+        h.insert(ShortString::from("x-outbox-aggregate-id"), s(&aid));
+        if let Some(seq) = seq {
+            h.insert(
+                ShortString::from("x-outbox-seq"),
+                AMQPValue::LongLongInt(seq),
+            );
+        }
+        h.insert(ShortString::from("x-outbox-created-at"), s(&created));
+        let props = BasicProperties::default()
+            .with_message_id(event_id.to_string().into())
+            .with_content_type("application/json".into())
+            .with_type(etype.as_str().into())
+            .with_delivery_mode(2)
+            .with_headers(h);
+        let confirm = ch
+            .basic_publish(
+                exchange.into(),
+                format!("{atype}.{etype}").as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                props,
+            )
+            .await?
+            .await?;
+        if confirm.is_ack() {
+            confirmed += 1;
+        }
+    }
+    let _ = conn.close(200, "copies sent".into()).await;
+    Ok(confirmed)
+}
+
+/// Publishes one event that never committed (a random id, its own key, seq 1), as a relay
+/// with a bug that published a rolled-back row would: the verdict's self-test.
+pub async fn publish_stray(amqp: &AmqpTarget, exchange: &str) -> anyhow::Result<uuid::Uuid> {
+    let id = uuid::Uuid::from_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos(),
+    );
+    let conn = amqp.connect("outbox-soak-planter").await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut h = FieldTable::default();
+    let s = |v: &str| AMQPValue::LongString(LongString::from(v.as_bytes().to_vec()));
+    h.insert(ShortString::from("x-outbox-aggregate-type"), s("acct"));
+    h.insert(ShortString::from("x-outbox-aggregate-id"), s("planted"));
+    h.insert(ShortString::from("x-outbox-seq"), AMQPValue::LongLongInt(1));
+    let props = BasicProperties::default()
+        .with_message_id(id.to_string().into())
+        .with_content_type("application/json".into())
+        .with_type("changed".into())
+        .with_delivery_mode(2)
+        .with_headers(h);
+    ch.basic_publish(
+        exchange.into(),
+        "acct.changed".into(),
+        BasicPublishOptions::default(),
+        b"{}",
+        props,
+    )
+    .await?
+    .await?;
+    let _ = conn.close(200, "planted".into()).await;
+    Ok(id)
+}
