@@ -41,10 +41,15 @@ impl fmt::Display for AmqpTarget {
             };
             let a = &uri.authority;
             let sep = if i == 0 { "" } else { "," };
+            let host = if a.host.contains(':') {
+                format!("[{}]", a.host)
+            } else {
+                a.host.clone()
+            };
             write!(
                 f,
-                "{sep}{scheme}://{}@{}:{}/{}",
-                a.userinfo.username, a.host, a.port, uri.vhost
+                "{sep}{scheme}://{}@{host}:{}/{}",
+                a.userinfo.username, a.port, uri.vhost
             )?;
         }
         Ok(())
@@ -79,6 +84,14 @@ impl AmqpTarget {
             );
         }
         let mut uri = AMQPUri::from_str(raw).map_err(|e| format!("not a valid AMQP URL ({e})"))?;
+        // The AMQP URI parser takes the host from `Url::domain`, which is empty for an IPv6
+        // literal, and then falls back to "localhost": `amqp://u:p@[fd00::5]/` would send
+        // the credentials to whatever listens on this machine. Take an IP literal from the
+        // URL ourselves (the connect resolves a bare "fd00::5" with the port as an address).
+        let parsed = url::Url::parse(raw).ok();
+        if let Some(url::Host::Ipv6(ip)) = parsed.as_ref().and_then(url::Url::host) {
+            uri.authority.host = ip.to_string();
+        }
         if uri.authority.host.is_empty() {
             return Err("names no host; write it like amqp://user:pass@host:5672/%2f".into());
         }
@@ -229,5 +242,31 @@ mod tests {
             AmqpTarget::parse("amqp://a/%2f,").is_err(),
             "no empty entries"
         );
+    }
+
+    #[test]
+    fn an_ipv6_broker_address_is_kept() {
+        let t = AmqpTarget::parse("amqp://u:secret@[fd00::5]:5673/%2f").unwrap();
+        assert_eq!(t.uris[0].authority.host, "fd00::5");
+        assert_eq!(t.to_string(), "amqp://u@[fd00::5]:5673//");
+        let t = AmqpTarget::parse("amqp://u:secret@[::1]/%2f").unwrap();
+        assert_eq!(t.to_string(), "amqp://u@[::1]:5672//");
+    }
+
+    /// The connection really goes to the IPv6 address, not to "localhost": a listener on
+    /// [::1] sees it arrive (the handshake then fails: nothing there speaks AMQP).
+    #[tokio::test]
+    async fn an_ipv6_broker_address_is_where_it_connects() {
+        let listener = tokio::net::TcpListener::bind("[::1]:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let target = AmqpTarget::parse(&format!(
+            "amqp://u:p@[::1]:{port}/%2f?connection_timeout=2000"
+        ))
+        .unwrap();
+        let connect = tokio::spawn(async move { target.connect("ipv6-test").await.is_err() });
+        let accepted = tokio::time::timeout(Duration::from_secs(10), listener.accept()).await;
+        assert!(accepted.is_ok(), "nothing connected to [::1]:{port}");
+        drop(accepted);
+        assert!(connect.await.unwrap(), "no broker there: the connect fails");
     }
 }
