@@ -42,14 +42,18 @@ ensure_postgres() {
     apt_install postgresql || {
       log "PostgreSQL is not installed and cannot be installed here."
       log "install it (Debian/Ubuntu: apt-get install postgresql), start it on 127.0.0.1:5432,"
-      log "and allow user postgres without a password from 127.0.0.1 (pg_hba.conf: host all all 127.0.0.1/32 trust),"
+      log "and allow user postgres without a password from 127.0.0.1 (pg_hba.conf: host all postgres 127.0.0.1/32 trust),"
       log "or point the tests elsewhere with IT_DATABASE_URL=postgres://user:pass@host:port/postgres"
       exit 1
     }
     local version
     version=$(ls /etc/postgresql | sort -V | tail -1)
-    # A fresh install asks for a password on TCP; these are throw-away local services.
-    as_root sed -i -E 's/^(host\s+all\s+all\s+127\.0\.0\.1\/32\s+)\S+/\1trust/' "/etc/postgresql/$version/main/pg_hba.conf"
+    # A fresh install asks for a password on TCP. The tests connect as `postgres` without
+    # one, from 127.0.0.1 only: that one user is trusted there, every other role keeps
+    # needing its password (the roles tests set theirs), so a local account cannot become
+    # any role it likes. (Still a superuser without a password on loopback: throw-away
+    # local services, never a shared machine's.)
+    as_root sed -i -E '0,/^host\s+all\s+all\s+127\.0\.0\.1\/32/s//host    all             postgres        127.0.0.1\/32            trust\n&/' "/etc/postgresql/$version/main/pg_hba.conf"
   fi
   local version
   version=$(ls /etc/postgresql | sort -V | tail -1)

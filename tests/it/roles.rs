@@ -3,8 +3,8 @@
 //!
 //! Roles are cluster-wide, so every test names its own (`outbox_it_<test>_<role>`) and
 //! roles.sql creates them only when missing; each test applies it to its own database.
-//! The template database is migrated as `postgres`, like an owner would; trust auth on
-//! 127.0.0.1 lets any role connect without a password.
+//! The template database is migrated as `postgres`, like an owner would; the roles get
+//! passwords and connect with them.
 
 use std::time::Duration;
 
@@ -21,6 +21,8 @@ use crate::support::{Broker, InProcessRelay, TestDb, amqp_url, test_config, wait
 
 const ROLES_SQL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/sql/roles.sql");
 const PERMISSION_DENIED: &str = "42501";
+/// Every test role's password (ignored where the server trusts 127.0.0.1).
+const ROLE_PASSWORD: &str = "outbox-it-role";
 
 /// The three role names one test uses.
 struct Roles {
@@ -50,7 +52,14 @@ async fn psql_roles(url: &str, roles: &Roles) -> (i32, String) {
         .arg(format!("producer_role={}", roles.producer))
         .arg("-v")
         .arg(format!("consumer_role={}", roles.consumer))
-        .args(["-v", "relay_password=not-used-with-trust"])
+        // Passwords, so the tests also pass where only `postgres` is trusted on 127.0.0.1
+        // (scripts/services.sh sets that up on a fresh install).
+        .arg("-v")
+        .arg(format!("relay_password={ROLE_PASSWORD}"))
+        .arg("-v")
+        .arg(format!("producer_password={ROLE_PASSWORD}"))
+        .arg("-v")
+        .arg(format!("consumer_password={ROLE_PASSWORD}"))
         .args(["-f", ROLES_SQL])
         .output()
         .await
@@ -78,7 +87,7 @@ fn url_as(db: &TestDb, role: &str) -> String {
     let url = db.url();
     let (scheme, rest) = url.split_once("://").expect("a URL");
     let host = rest.split_once('@').map_or(rest, |(_, h)| h);
-    format!("{scheme}://{role}@{host}")
+    format!("{scheme}://{role}:{ROLE_PASSWORD}@{host}")
 }
 
 fn target_as(db: &TestDb, role: &str) -> DbTarget {
