@@ -8,9 +8,6 @@ use std::time::Duration;
 
 use crate::contract::ConfigError;
 
-/// How long a write-back (complete, fail, retry) may take; part of every lease.
-pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Timeouts of the work a claim guards, checked against the lease at construction.
 #[derive(Clone, Debug)]
 pub struct EffectsConfig {

@@ -14,9 +14,13 @@ use serde_json::Value;
 /// One effect as a destination sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Effect {
+    /// The ledger row's id.
     pub id: i64,
+    /// The caller's idempotency key (`outbox_effects.effect_key`), unique per effect; destinations with lookup find the item by it.
     pub key: String,
+    /// The destination's name ([`Destination::name`]).
     pub destination: String,
+    /// What to send, as enqueued.
     pub payload: Value,
     /// Claims so far, this one included.
     pub attempts: i32,
@@ -39,6 +43,7 @@ pub enum DestinationError {
 }
 
 impl DestinationError {
+    /// Whether trying again later can help: everything but [`DestinationError::Terminal`].
     pub fn is_transient(&self) -> bool {
         !matches!(self, DestinationError::Terminal(_))
     }

@@ -24,7 +24,12 @@ pub enum EffectError {
     #[error(
         "effect {key}: outcome unknown ({reason}) and the destination has no lookup; left in sending for review"
     )]
-    InDoubt { key: String, reason: String },
+    InDoubt {
+        /// The effect's key.
+        key: String,
+        /// Why its outcome is unknown.
+        reason: String,
+    },
     /// The database failed.
     #[error(transparent)]
     Db(#[from] DbError),

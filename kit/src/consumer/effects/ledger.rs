@@ -41,16 +41,13 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// The ledger for the worker and timeouts in `cfg`.
     pub fn new(cfg: EffectsConfig) -> Ledger {
         Ledger { cfg }
     }
 
-    pub fn config(&self) -> &EffectsConfig {
+    pub(crate) fn config(&self) -> &EffectsConfig {
         &self.cfg
-    }
-
-    pub fn worker(&self) -> &str {
-        &self.cfg.worker
     }
 
     /// Adds a queued effect once per key (in the caller's transaction, if it passes one);
@@ -121,7 +118,7 @@ impl Ledger {
     }
 
     /// Writes success back while the row is still ours.
-    pub async fn complete(
+    pub(crate) async fn complete(
         &self,
         client: &Client,
         effect_id: i64,
@@ -158,7 +155,7 @@ impl Ledger {
     /// row has afterwards: `Queued`; `Cancelled` (a cancel was waiting and nothing went out);
     /// `Sending` (a cancel was waiting and it may be out: look it up); or what it was when
     /// it was not ours.
-    pub async fn retry(
+    pub(crate) async fn retry(
         &self,
         client: &Client,
         effect_id: i64,

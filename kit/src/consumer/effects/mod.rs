@@ -28,8 +28,9 @@ mod error;
 mod ledger;
 mod state;
 
-pub use config::{DEFAULT_WRITE_TIMEOUT, EffectsConfig};
+pub use config::EffectsConfig;
 pub use destination::{Destination, DestinationError, Effect};
 pub use error::EffectError;
 pub use ledger::Ledger;
-pub use state::{Cancelled, Claimed, Completion, EffectRow, EffectState, NewEffect, Performed};
+pub(crate) use state::Completion;
+pub use state::{Cancelled, Claimed, EffectRow, EffectState, NewEffect, Performed};

@@ -27,6 +27,7 @@ pub struct Ordered {
     pub gap_timeout: Duration,
     /// How often a waiting event is tried again.
     pub gap_retry: Duration,
+    /// What to do when the predecessor does not come in time.
     pub on_gap: OnGap,
 }
 
@@ -35,16 +36,21 @@ pub struct Ordered {
 pub struct ConsumerConfig {
     /// The inbox key: consumers with the same name share dedupe and order state.
     pub name: String,
+    /// The queue to consume (default: the name).
     pub queue: String,
     /// The exchange the relay publishes to.
     pub exchange: String,
+    /// Binding keys of the queue at the exchange (topic patterns).
     pub bindings: Vec<String>,
     /// Declare the exchange, queues and bindings (off: they must exist as described).
     pub declare: bool,
     /// Unacked messages at most, and messages handled concurrently.
     pub prefetch: NonZeroU16,
+    /// Ordered mode (`None`: every event is applied as it comes).
     pub ordered: Option<Ordered>,
+    /// The first retry delay; each further attempt doubles it.
     pub retry_min: Duration,
+    /// The longest retry delay.
     pub retry_max: Duration,
     /// Transient failures before a message is dead-lettered (None: retry forever).
     pub max_attempts: Option<NonZeroU32>,
@@ -53,10 +59,12 @@ pub struct ConsumerConfig {
     /// The broker's delivery acknowledgement timeout (RabbitMQ `consumer_timeout`, 30 min by
     /// default): a handler must finish well within it or the broker closes the channel.
     pub redelivery_timeout: Duration,
+    /// The name the broker shows for the connection.
     pub connection_name: String,
 }
 
 impl ConsumerConfig {
+    /// Defaults for consumer `name` on `exchange` with `bindings`: queue `name`, prefetch 16, unordered, retries from 1 s to 60 s, 20 attempts, 60 s per message.
     pub fn new(name: &str, exchange: &str, bindings: &[&str]) -> ConsumerConfig {
         ConsumerConfig {
             name: name.to_owned(),

@@ -34,6 +34,7 @@ pub enum HandlerError {
 }
 
 impl HandlerError {
+    /// Whether the message goes to a retry queue (true) or to the dead-letter exchange.
     pub fn is_transient(&self) -> bool {
         match self {
             HandlerError::Transient(_) => true,
@@ -77,6 +78,7 @@ impl<'a> Context<'a> {
 
 /// What the runner calls for every message that is new (and, in ordered mode, next in line).
 pub trait Handler: Send + Sync + 'static {
+    /// Applies `msg`, writing through [`Context::tx`]; an error rolls the transaction back.
     fn handle(
         &self,
         cx: &Context<'_>,

@@ -24,13 +24,17 @@ pub struct Message {
     pub event_id: Uuid,
     /// The AMQP `type` property: the event type.
     pub event_type: String,
+    /// The routing key it was first published with.
     pub routing_key: String,
+    /// `x-outbox-aggregate-type`.
     pub aggregate_type: String,
+    /// `x-outbox-aggregate-id`.
     pub aggregate_id: String,
     /// `x-outbox-seq`, per key 1, 2, 3, ...
     pub seq: Option<i64>,
     /// All headers, as JSON values.
     pub headers: serde_json::Map<String, Value>,
+    /// The body: the payload's JSON text.
     pub body: Vec<u8>,
     /// The broker's redelivered flag (a consumer died or a channel closed with it unacked).
     pub redelivered: bool,

@@ -20,7 +20,7 @@
 //! dead-letter exchange `<queue>.dlx` (fanout) with queue `<queue>.dlq`, and the retry queues
 //! `<queue>.retry.<ms>ms`.
 //!
-//! The parts, in the order a message meets them: [`config`] (the settings and the names
+//! The parts, in the order a message meets them: `config` (the settings and the names
 //! they imply), `session` (connect, declare, the consume loop; this file's [`run`] reconnects
 //! around it), `message` (a delivery's headers parsed into a [`Message`]), `process` (the
 //! inbox transaction around the [`Handler`]), `settle` (ack, retry tier, dead letter, each
@@ -68,6 +68,7 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(15);
 pub struct ConsumerDeps {
     /// Pooled connections with `search_path` set to the outbox schema.
     pub pool: Pool,
+    /// Where the broker is; the runner connects (and reconnects) itself.
     pub amqp: AmqpTarget,
 }
 
