@@ -2,7 +2,8 @@
 //! cluster's list), connecting with a deadline, one AMQP round trip with a deadline
 //! ([`rpc`]), and the declarations the relay and the consumer kit share.
 //!
-//! Invariant: every network await here has a deadline ([`CONNECT_TIMEOUT`], [`RPC_TIMEOUT`]).
+//! Invariant: every network await here has a deadline (`CONNECT_TIMEOUT`, `RPC_TIMEOUT`,
+//! 15 s each).
 
 use std::fmt;
 use std::str::FromStr;
@@ -125,10 +126,6 @@ impl AmqpTarget {
         t
     }
 
-    pub fn port(&self) -> u16 {
-        self.uris[0].authority.port
-    }
-
     /// Connects to the first URL that answers, starting with the one that last worked.
     pub async fn connect(&self, name: &str) -> Result<Connection, AmqpError> {
         use std::sync::atomic::Ordering;
@@ -174,8 +171,8 @@ impl AmqpTarget {
     }
 }
 
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
-pub const RPC_TIMEOUT: Duration = Duration::from_secs(15);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+const RPC_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// An AMQP failure at the module boundary.
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +186,7 @@ pub enum AmqpError {
     Timeout(&'static str),
 }
 
+/// One AMQP round trip with the standard deadline; no answer in time is [`AmqpError::Timeout`].
 pub async fn rpc<T>(
     what: &'static str,
     fut: impl Future<Output = lapin::Result<T>>,

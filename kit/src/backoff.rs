@@ -12,6 +12,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// Delays from `min`, doubling up to `max`, starting at the first attempt.
     pub fn new(min: Duration, max: Duration) -> Backoff {
         Backoff {
             min,
@@ -20,11 +21,13 @@ impl Backoff {
         }
     }
 
+    /// The delay before the next attempt (one more than the last).
     pub fn next_delay(&mut self) -> Duration {
         self.attempt = self.attempt.saturating_add(1);
         retry_delay(self.attempt as i32, self.min, self.max)
     }
 
+    /// Back to the first attempt, after a success.
     pub fn reset(&mut self) {
         self.attempt = 0;
     }

@@ -51,6 +51,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
+    /// The error for `flag`, with what is wrong and what to do.
     pub fn new(flag: &'static str, problem: impl Into<String>) -> Self {
         ConfigError {
             flag,
@@ -65,6 +66,7 @@ impl ConfigError {
 pub struct Schema(String);
 
 impl Schema {
+    /// The name if it is one we never need to quote; otherwise why not.
     pub fn parse(s: &str) -> Result<Schema, String> {
         let ok_start = s
             .chars()
@@ -81,6 +83,7 @@ impl Schema {
         Ok(Schema(s.to_owned()))
     }
 
+    /// The name.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -130,10 +133,12 @@ pub fn validate_exchange(name: &str) -> Result<String, String> {
 pub struct Secret(String);
 
 impl Secret {
+    /// Wraps a value that must not be printed.
     pub fn new(s: impl Into<String>) -> Secret {
         Secret(s.into())
     }
 
+    /// The value itself, for the one place that needs it.
     pub fn expose(&self) -> &str {
         &self.0
     }

@@ -21,7 +21,7 @@ use crate::tls::{PgTls, split_tls_params};
 pub type PgConnection = Connection<Socket, <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream>;
 
 /// How long any single database round trip may take before we give up on it.
-pub const DB_TIMEOUT: Duration = Duration::from_secs(30);
+const DB_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Where the database is. Debug output never shows the password.
 #[derive(Clone)]
@@ -61,7 +61,7 @@ pub enum DbError {
 }
 
 /// An error and its causes on one line ("error connecting to server: Connection refused").
-pub fn with_sources(e: &dyn std::error::Error) -> String {
+pub(crate) fn with_sources(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -121,11 +121,6 @@ impl DbTarget {
         Ok(DbTarget { config, tls })
     }
 
-    /// The TLS policy (`sslmode`, `sslrootcert`).
-    pub fn tls(&self) -> &PgTls {
-        &self.tls
-    }
-
     /// The database name, or the user name when none is given (libpq's rule).
     pub fn dbname(&self) -> Option<&str> {
         self.config.get_dbname().or(self.config.get_user())
@@ -143,11 +138,7 @@ impl DbTarget {
 
     /// The tokio-postgres configuration with our session settings: search_path set to the
     /// outbox schema, an application_name operators can find, and connect/keepalive limits.
-    pub fn session_config(
-        &self,
-        schema: &Schema,
-        application_name: &str,
-    ) -> tokio_postgres::Config {
+    fn session_config(&self, schema: &Schema, application_name: &str) -> tokio_postgres::Config {
         let mut config = self.config.clone();
         if config.get_application_name().is_none() {
             config.application_name(application_name);

@@ -19,6 +19,7 @@ pub struct Down {
 }
 
 impl Down {
+    /// Nothing failed yet; `what` names the dependency in every log line.
     pub fn new(what: &'static str) -> Down {
         Down {
             what,
@@ -28,6 +29,7 @@ impl Down {
         }
     }
 
+    /// Whether the last outcome was a success (or nothing failed yet).
     pub fn is_up(&self) -> bool {
         self.since.is_none()
     }

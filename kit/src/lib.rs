@@ -6,11 +6,14 @@
 //! - [`schema`]: the SQL migrations (`sql/`) and [`schema::migrate`];
 //! - [`producer`]: enqueue events inside the caller's transaction;
 //! - [`consumer`]: inbox dedupe, ordered apply, effects ledger, budgets, reconciler;
-//! - [`db`], [`tls`], [`amqp`]: connecting to Postgres and RabbitMQ, every await with a deadline;
+//! - [`db`], [`amqp`]: connecting to Postgres (TLS with libpq's `sslmode` meanings, in the
+//!   private `tls` module) and RabbitMQ, every await with a deadline;
 //! - [`backoff`], [`down`]: retry delays and rate-limited "still down" logging.
 //!
 //! Architecture invariant: the library never reads the environment or argv; callers pass
 //! validated values in.
+
+#![warn(missing_docs)]
 
 pub mod amqp;
 pub mod backoff;
@@ -20,4 +23,4 @@ pub mod db;
 pub mod down;
 pub mod producer;
 pub mod schema;
-pub mod tls;
+mod tls;

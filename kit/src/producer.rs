@@ -33,9 +33,13 @@ use crate::contract::Schema;
 /// One event to enqueue. Only the first four fields are required.
 #[derive(Clone, Debug)]
 pub struct NewEvent<'a> {
+    /// The kind of thing that changed (`order`); first half of the key.
     pub aggregate_type: &'a str,
+    /// Which one (`42`); second half of the key.
     pub aggregate_id: &'a str,
+    /// What happened (`order.paid`); the AMQP `type`.
     pub event_type: &'a str,
+    /// The event's JSON body.
     pub payload: Value,
     /// AMQP headers (a JSON object). Reserved names (`CC`, `BCC`, `x-outbox-*`,
     /// `traceparent`, `tracestate`) are refused.
@@ -45,8 +49,9 @@ pub struct NewEvent<'a> {
     /// Publish no earlier than this.
     pub available_at: Option<SystemTime>,
     /// W3C trace context to carry as AMQP headers. With the `otel` feature, events enqueued
-    /// without one take the current tracing span's (see [`NewEvent::with_current_span`]).
+    /// without one take the current tracing span's (see `NewEvent::with_current_span`).
     pub traceparent: Option<String>,
+    /// W3C `tracestate`, carried with `traceparent`.
     pub tracestate: Option<String>,
 }
 
@@ -73,6 +78,7 @@ impl<'a> NewEvent<'a> {
         self
     }
 
+    /// An event with the four required fields; the others default (no headers, the default routing key, publish now, no trace context).
     pub fn new(
         aggregate_type: &'a str,
         aggregate_id: &'a str,

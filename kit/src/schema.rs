@@ -13,8 +13,11 @@ use crate::db::{DbError, deadline};
 
 /// One numbered migration file.
 pub struct Migration {
+    /// Its number; applied in ascending order.
     pub version: i32,
+    /// Its file name in `sql/`.
     pub name: &'static str,
+    /// The file's text.
     pub sql: &'static str,
 }
 
@@ -62,6 +65,7 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
+/// Why the migrations were not applied.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MigrateError {
@@ -74,15 +78,21 @@ pub enum MigrateError {
          applied migrations must not change: restore the file and put the change in a new migration"
     )]
     Changed {
+        /// The migration file.
         name: String,
+        /// The checksum recorded when it was applied.
         applied: String,
+        /// The checksum of the file now.
         current: String,
     },
     /// The database has migrations this binary does not know (a newer relay migrated it).
     #[error(
         "schema has migration {version} that this outbox-relay does not know: upgrade outbox-relay"
     )]
-    Unknown { version: i32 },
+    Unknown {
+        /// The unknown migration's number.
+        version: i32,
+    },
 }
 
 impl From<tokio_postgres::Error> for MigrateError {
@@ -108,7 +118,9 @@ const RECORD: &str =
 /// What `migrate` did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct MigrateReport {
+    /// The migrations applied now, by file name.
     pub applied: Vec<String>,
+    /// How many had been applied before.
     pub already: usize,
 }
 

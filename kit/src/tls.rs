@@ -23,7 +23,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 /// libpq's `sslmode` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SslMode {
+pub(crate) enum SslMode {
     Disable,
     Prefer,
     Require,
@@ -66,7 +66,7 @@ enum Roots {
 
 /// The TLS policy of one Postgres target.
 #[derive(Clone)]
-pub struct PgTls {
+pub(crate) struct PgTls {
     mode: SslMode,
     roots: Option<Roots>,
 }
@@ -83,12 +83,8 @@ impl fmt::Debug for PgTls {
 }
 
 impl PgTls {
-    pub fn mode(&self) -> SslMode {
-        self.mode
-    }
-
     /// The connector for tokio-postgres. With `disable` it is never used.
-    pub fn connector(&self) -> MakeRustlsConnect {
+    pub(crate) fn connector(&self) -> MakeRustlsConnect {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let verifier: Arc<dyn ServerCertVerifier> = match (&self.roots, self.mode) {
             (
@@ -121,7 +117,7 @@ impl PgTls {
 
 /// Takes `sslmode`, `sslrootcert` (and refuses `sslcert`/`sslkey`) out of a connection
 /// string in URL or key=value form. Returns the string for tokio-postgres and the policy.
-pub fn split_tls_params(raw: &str) -> Result<(String, PgTls), String> {
+pub(crate) fn split_tls_params(raw: &str) -> Result<(String, PgTls), String> {
     let is_url = raw.starts_with("postgres://") || raw.starts_with("postgresql://");
     let mut mode = None;
     let mut rootcert = None;
@@ -388,7 +384,7 @@ impl ServerCertVerifier for ChainOnly {
 }
 
 /// True when `e`'s causes include a TLS certificate rejection (waiting will not fix it).
-pub fn is_certificate_error(e: &(dyn std::error::Error + 'static)) -> bool {
+pub(crate) fn is_certificate_error(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur = Some(e);
     while let Some(err) = cur {
         if let Some(Error::InvalidCertificate(_)) = err.downcast_ref::<Error>() {
@@ -414,13 +410,13 @@ mod tests {
         let (rest, tls) =
             split_tls_params("postgres://u:p@h:5432/db?sslmode=require&application_name=x")
                 .unwrap();
-        assert_eq!(tls.mode(), SslMode::Require);
+        assert_eq!(tls.mode, SslMode::Require);
         assert_eq!(
             rest,
             "postgres://u:p@h:5432/db?application_name=x&sslmode=require"
         );
         let (rest, tls) = split_tls_params("postgres://h/db").unwrap();
-        assert_eq!(tls.mode(), SslMode::Prefer);
+        assert_eq!(tls.mode, SslMode::Prefer);
         assert_eq!(rest, "postgres://h/db?sslmode=prefer");
     }
 
@@ -428,7 +424,7 @@ mod tests {
     fn key_value_form_is_split_with_quotes() {
         let (rest, tls) =
             split_tls_params("host=h dbname=d password='a b\\'c' sslmode=disable").unwrap();
-        assert_eq!(tls.mode(), SslMode::Disable);
+        assert_eq!(tls.mode, SslMode::Disable);
         assert_eq!(
             rest,
             "host='h' dbname='d' password='a b\\'c' sslmode=disable"

@@ -12,8 +12,6 @@ use tokio_postgres::GenericClient;
 use crate::db::{DbError, deadline};
 
 const SET: &str = "SELECT outbox_budget_set($1, $2, $3)";
-const RESERVE: &str = "SELECT outbox_budget_reserve($1)";
-const RELEASE: &str = "SELECT outbox_budget_release($1)";
 const TOTALS: &str = "
 SELECT b.remaining,
        coalesce(sum(r.amount) FILTER (WHERE r.state = 'held'), 0)::bigint,
@@ -24,7 +22,7 @@ SELECT b.remaining,
  GROUP BY b.remaining";
 
 /// The SQLSTATE `outbox_budget_reserve` raises when a budget is too small.
-pub const OUT_OF_BUDGET: &str = "OB001";
+pub(crate) const OUT_OF_BUDGET: &str = "OB001";
 
 /// Why a reservation was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -33,15 +31,19 @@ pub const OUT_OF_BUDGET: &str = "OB001";
      raise the budget (outbox_budget_set) or cancel the effect"
 )]
 pub struct OutOfBudget {
+    /// Whose budget.
     pub tenant: String,
+    /// Which of the tenant's quotas.
     pub quota_key: String,
+    /// What the effect costs.
     pub needed: i64,
+    /// What the budget has left.
     pub remaining: i64,
 }
 
 impl OutOfBudget {
     /// Recognizes the `OB001` error; its DETAIL is a JSON object with the numbers.
-    pub fn from_db(e: &tokio_postgres::Error) -> Option<OutOfBudget> {
+    pub(crate) fn from_db(e: &tokio_postgres::Error) -> Option<OutOfBudget> {
         let db = e.as_db_error()?;
         if db.code().code() != OUT_OF_BUDGET {
             return None;
@@ -59,38 +61,14 @@ impl OutOfBudget {
     }
 }
 
-/// A budget error at the module boundary.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BudgetError {
-    #[error(transparent)]
-    OutOfBudget(#[from] OutOfBudget),
-    #[error(transparent)]
-    Db(#[from] DbError),
-}
-
-impl BudgetError {
-    /// Out of budget is not transient: waiting does not raise a budget.
-    pub fn is_transient(&self) -> bool {
-        match self {
-            BudgetError::OutOfBudget(_) => false,
-            BudgetError::Db(e) => e.is_transient(),
-        }
-    }
-
-    fn from_pg(e: tokio_postgres::Error) -> BudgetError {
-        match OutOfBudget::from_db(&e) {
-            Some(o) => BudgetError::OutOfBudget(o),
-            None => BudgetError::Db(e.into()),
-        }
-    }
-}
-
 /// What a budget holds right now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Totals {
+    /// Still free to reserve.
     pub remaining: i64,
+    /// Reserved by effects not finished yet.
     pub held: i64,
+    /// Spent by effects that were sent.
     pub consumed: i64,
 }
 
@@ -110,23 +88,6 @@ pub async fn set(
 ) -> Result<(), DbError> {
     deadline(client.execute(SET, &[&tenant, &quota_key, &remaining])).await?;
     Ok(())
-}
-
-/// Reserves the effect's cost (declared when it was enqueued); false when it already held
-/// or consumed one. Run it in the transaction that claims or enqueues the effect.
-pub async fn reserve(client: &impl GenericClient, effect_id: i64) -> Result<bool, BudgetError> {
-    match deadline(client.query_one(RESERVE, &[&effect_id])).await {
-        Ok(row) => Ok(row.get(0)),
-        Err(DbError::Postgres(e)) => Err(BudgetError::from_pg(e)),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// Gives a held reservation back; returns the amount (0 when none was held).
-pub async fn release(client: &impl GenericClient, effect_id: i64) -> Result<i64, DbError> {
-    Ok(deadline(client.query_one(RELEASE, &[&effect_id]))
-        .await?
-        .get(0))
 }
 
 /// The budget's remaining, held and consumed amounts (None: no such budget).

@@ -4,31 +4,37 @@
 
 use tracing::{debug, info, warn};
 
-pub fn consumer_started(consumer: &str, queue: &str, prefetch: u16, ordered: bool) {
+pub(crate) fn consumer_started(consumer: &str, queue: &str, prefetch: u16, ordered: bool) {
     info!(target: "outbox_relay::consumer", consumer, queue, prefetch, ordered, "consumer started");
 }
 
-pub fn session_lost(consumer: &str, error: &dyn std::fmt::Display, in_hand: usize) {
+pub(crate) fn session_lost(consumer: &str, error: &dyn std::fmt::Display, in_hand: usize) {
     warn!(target: "outbox_relay::consumer", consumer, error = %error, in_hand, "amqp session lost; unacked messages are redelivered; reconnecting");
 }
 
-pub fn stopping(consumer: &str, in_hand: usize) {
+pub(crate) fn stopping(consumer: &str, in_hand: usize) {
     info!(target: "outbox_relay::consumer", consumer, in_hand, "stopping: finishing the messages in hand");
 }
 
-pub fn stopped(consumer: &str) {
+pub(crate) fn stopped(consumer: &str) {
     info!(target: "outbox_relay::consumer", consumer, "consumer stopped");
 }
 
-pub fn retry_scheduled(consumer: &str, event_id: &str, attempt: u32, delay_ms: u64, error: &str) {
+pub(crate) fn retry_scheduled(
+    consumer: &str,
+    event_id: &str,
+    attempt: u32,
+    delay_ms: u64,
+    error: &str,
+) {
     debug!(target: "outbox_relay::consumer", consumer, event_id, attempt, delay_ms, error, "transient failure; retry scheduled");
 }
 
-pub fn dead_lettered(consumer: &str, event_id: &str, reason: &str) {
+pub(crate) fn dead_lettered(consumer: &str, event_id: &str, reason: &str) {
     warn!(target: "outbox_relay::consumer", consumer, event_id, reason, "message dead-lettered");
 }
 
-pub fn gap_waiting(
+pub(crate) fn gap_waiting(
     consumer: &str,
     aggregate_type: &str,
     aggregate_id: &str,
@@ -38,7 +44,7 @@ pub fn gap_waiting(
     debug!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, expected, got, "seq gap; waiting for the missing event");
 }
 
-pub fn gap_given_up(
+pub(crate) fn gap_given_up(
     consumer: &str,
     aggregate_type: &str,
     aggregate_id: &str,
@@ -49,6 +55,6 @@ pub fn gap_given_up(
     warn!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, expected, got, action, "seq gap not filled within gap_timeout");
 }
 
-pub fn republish_failed(consumer: &str, error: &dyn std::fmt::Display) {
+pub(crate) fn republish_failed(consumer: &str, error: &dyn std::fmt::Display) {
     warn!(target: "outbox_relay::consumer", consumer, error = %error, "could not hand a message to a retry queue or the dead-letter exchange; holding it and requeueing");
 }

@@ -20,8 +20,11 @@ const DEAD: &str = "SELECT outbox_inbox_dead($1, $2, $3, $4, $5, $6, $7)";
 /// The identity of one event as the inbox sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EventRef<'a> {
+    /// The AMQP message_id: the outbox event_id.
     pub event_id: Uuid,
+    /// The key's first half (`x-outbox-aggregate-type`).
     pub aggregate_type: &'a str,
+    /// The key's second half (`x-outbox-aggregate-id`).
     pub aggregate_id: &'a str,
     /// `x-outbox-seq`; pass it only in ordered mode.
     pub seq: Option<i64>,
@@ -35,7 +38,10 @@ pub enum Admission {
     /// Already handled, or older than what the key already applied: commit and ack.
     Duplicate,
     /// An earlier seq of the key has not been applied: roll back, try again later.
-    Gap { expected: i64 },
+    Gap {
+        /// The seq the key waits for.
+        expected: i64,
+    },
 }
 
 /// Records the event in `tx` (the handler's transaction) and says whether to apply it.

@@ -9,7 +9,7 @@
 //! Every rule lives in a SQL function of `sql/0003_consumer.sql`; the Rust API only calls
 //! them, so consumers in other languages that call the same functions follow the same rules.
 //!
-//! Architecture invariant: only `consumer/runner.rs` knows lapin; handlers see [`Message`].
+//! Architecture invariant: only `consumer/runner/` knows lapin; handlers see [`Message`].
 //! Architecture invariant: a message is acked only after the transaction that recorded it
 //! in the inbox committed (or after its copy reached a retry queue or the dead-letter
 //! exchange with a broker confirm).

@@ -34,8 +34,11 @@ const PRUNE: &str = "SELECT effects_deleted, inbox_deleted
 /// The reconciler's thresholds, checked against the timeouts they guard.
 #[derive(Clone, Debug)]
 pub struct ReconcileConfig {
+    /// How long after its claim an effect in `sending` (with its lease run out) counts as stuck.
     pub stuck_after: Duration,
+    /// How long finished effects and inbox rows are kept.
     pub retention: Duration,
+    /// Rows per statement, for the stuck list and for each prune round.
     pub batch_size: NonZeroUsize,
 }
 
@@ -79,13 +82,21 @@ impl ReconcileConfig {
 /// An effect left in `sending` by a worker that is gone.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Stuck {
+    /// The ledger row's id.
     pub id: i64,
+    /// The effect's key.
     pub key: String,
+    /// The destination's name.
     pub destination: String,
+    /// The worker that claimed it.
     pub claimed_by: String,
+    /// When it was claimed.
     pub claimed_at: SystemTime,
+    /// Claims so far.
     pub attempts: i32,
+    /// A cancel is waiting for it.
     pub cancel_requested: bool,
+    /// Why the last attempt failed, if one did.
     pub last_error: Option<String>,
 }
 
@@ -93,16 +104,28 @@ pub struct Stuck {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Resolution {
     /// The destination has it: recorded as sent.
-    Found { external_id: String },
+    Found {
+        /// The destination's id for it.
+        external_id: String,
+    },
     /// The destination does not have it: queued again and sent now.
-    Resent { external_id: String },
+    Resent {
+        /// The destination's id for it.
+        external_id: String,
+    },
     /// The destination does not have it: queued again (someone else took it, or the send
     /// failed and the ledger recorded why).
-    Requeued { detail: String },
+    Requeued {
+        /// What happened to the resend.
+        detail: String,
+    },
     /// A cancel was waiting: the item was withdrawn, or had never arrived.
     Cancelled,
     /// A cancel was waiting but the destination did not delete the item: still out.
-    StillOut { error: String },
+    StillOut {
+        /// Why the destination did not delete it.
+        error: String,
+    },
     /// Another worker or an operator settled it first.
     Raced,
 }
@@ -110,10 +133,13 @@ pub enum Resolution {
 /// What one reconcile pass did.
 #[derive(Clone, Debug, Default)]
 pub struct Report {
+    /// Stuck effects settled through their destination's lookup, with the verdict.
     pub resolved: Vec<(Stuck, Resolution)>,
     /// Stuck effects nobody could settle (no lookup for their destination): for review.
     pub review: Vec<Stuck>,
+    /// Finished effects deleted by retention.
     pub effects_deleted: u64,
+    /// Inbox rows deleted by retention.
     pub inbox_deleted: u64,
 }
 

@@ -1,29 +1,24 @@
-//! The effects ledger: side effects outside the database (an email, a payment, a webhook)
-//! claimed in Postgres before they are performed, so a redelivered message never performs
-//! one twice.
+//! [`Ledger`]: the effects-ledger steps for one worker (enqueue, claim, complete, fail,
+//! retry, cancel) and [`Ledger::perform`], the whole rule set for one effect. Every rule is a
+//! SQL function of `sql/0003_consumer.sql`; this file only calls them, with deadlines.
 //!
-//! Invariants (each a SQL function of `sql/0003_consumer.sql`, each with a test):
-//! - claim is one UPDATE `queued → sending` with `claimed_by`; send only if it returned a row;
-//! - the budget is reserved in the claim's statement; out of budget rolls the claim back;
-//! - success is written back only while the row is still ours (`sending`, `claimed_by` = me,
-//!   no cancel requested); otherwise our item is withdrawn at the destination, with a warning;
-//! - failed never overwrites sent;
-//! - an attempt whose outcome is unknown (timeout) is never sent again blindly: the next
-//!   claimer looks it up first, and a destination without lookup leaves it for review;
-//! - cancel deletes at the destination first and says cancelled only if that worked.
-//!
-//! Each step commits on its own: the claim must be durable before the send, so the steps
-//! take a plain [`Client`] (a connection in autocommit), never a transaction.
+//! Invariants: claim before send; write back only while the row is ours, else withdraw our
+//! item at the destination; failed never overwrites sent; an unknown outcome is looked up
+//! (or left for review), never sent again blindly.
 
 use std::future::Future;
 use std::time::Duration;
 
-use serde_json::Value;
 use tokio_postgres::{Client, GenericClient};
 
-use crate::consumer::budget::OutOfBudget;
-use crate::contract::ConfigError;
 use crate::db::{DbError, deadline};
+
+use super::destination::within;
+use super::error::db_or_budget;
+use super::{
+    Cancelled, Claimed, Completion, Destination, DestinationError, Effect, EffectError, EffectRow,
+    EffectState, EffectsConfig, NewEffect, Performed,
+};
 
 const ENQUEUE: &str = "SELECT outbox_effect_enqueue($1, $2, $3, $4, $5, $6, $7)";
 const CLAIM: &str = "SELECT id, effect_key, destination, payload, attempts, uncertain, external_id
@@ -39,304 +34,20 @@ const GET: &str = "SELECT id, effect_key, destination, payload, state, claimed_b
                           withdrawn_at IS NOT NULL
                      FROM outbox_effects WHERE effect_key = $1";
 
-/// How long a write-back (complete, fail, retry) may take; part of every lease.
-pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// One effect as a destination sees it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Effect {
-    pub id: i64,
-    pub key: String,
-    pub destination: String,
-    pub payload: Value,
-    /// Claims so far, this one included.
-    pub attempts: i32,
-}
-
-/// A destination's answer that was not a success.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DestinationError {
-    /// Refused for now and certainly not performed (5xx, 429, connection refused): retry
-    /// with backoff.
-    #[error("destination refused for now: {0}")]
-    Transient(String),
-    /// Maybe performed (a timeout after the request left): look it up before trying again.
-    #[error("destination outcome unknown: {0}")]
-    Unknown(String),
-    /// Refused for good (invalid address, rejected): do not retry.
-    #[error("destination rejected it: {0}")]
-    Terminal(String),
-}
-
-impl DestinationError {
-    pub fn is_transient(&self) -> bool {
-        !matches!(self, DestinationError::Terminal(_))
-    }
-}
-
-/// Where effects go. Adapters implement it; `send` must be safe to call once per claim.
-pub trait Destination: Send + Sync {
-    /// The name stored in `outbox_effects.destination`.
-    fn name(&self) -> &str;
-
-    /// Performs the effect; returns the destination's id for it (used to delete it).
-    fn send(
-        &self,
-        effect: &Effect,
-    ) -> impl Future<Output = Result<String, DestinationError>> + Send;
-
-    /// Withdraws a performed effect by the id `send` returned.
-    fn delete(
-        &self,
-        external_id: &str,
-    ) -> impl Future<Output = Result<(), DestinationError>> + Send;
-
-    /// Whether [`Destination::lookup`] works. Without it, an effect whose outcome is
-    /// unknown is left for review instead of being sent again.
-    fn supports_lookup(&self) -> bool {
-        false
-    }
-
-    /// Finds the effect at the destination by its key; `Some(external_id)` if it is there.
-    fn lookup(
-        &self,
-        effect: &Effect,
-    ) -> impl Future<Output = Result<Option<String>, DestinationError>> + Send {
-        let _ = effect;
-        async { Err(DestinationError::Terminal("lookup is not supported".into())) }
-    }
-}
-
-/// An effects-ledger error at the module boundary.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum EffectError {
-    /// The budget cannot cover the effect; the claim was rolled back (still queued).
-    #[error(transparent)]
-    OutOfBudget(#[from] OutOfBudget),
-    /// The destination did not perform it; the ledger says what happens next (queued again
-    /// for transient and unknown-with-lookup, failed for terminal).
-    #[error(transparent)]
-    Destination(#[from] DestinationError),
-    /// The outcome is unknown and the destination has no lookup: the effect stays in
-    /// `sending` for review by the reconciler; it is not sent again.
-    #[error(
-        "effect {key}: outcome unknown ({reason}) and the destination has no lookup; left in sending for review"
-    )]
-    InDoubt { key: String, reason: String },
-    /// The database failed.
-    #[error(transparent)]
-    Db(#[from] DbError),
-}
-
-impl EffectError {
-    /// Transient: the database, or a destination that may take it later.
-    pub fn is_transient(&self) -> bool {
-        match self {
-            EffectError::OutOfBudget(_) | EffectError::InDoubt { .. } => false,
-            EffectError::Destination(e) => e.is_transient(),
-            EffectError::Db(e) => e.is_transient(),
-        }
-    }
-
-    fn from_pg(e: tokio_postgres::Error) -> EffectError {
-        match OutOfBudget::from_db(&e) {
-            Some(o) => EffectError::OutOfBudget(o),
-            None => EffectError::Db(e.into()),
-        }
-    }
-}
-
-fn db_or_budget(e: DbError) -> EffectError {
-    match e {
-        DbError::Postgres(pg) => EffectError::from_pg(pg),
-        other => EffectError::Db(other),
-    }
-}
-
-/// An effect's state (`outbox_effects.state`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EffectState {
-    Queued,
-    Sending,
-    Sent,
-    Failed,
-    Cancelled,
-}
-
-impl EffectState {
-    pub fn parse(s: &str) -> Option<EffectState> {
-        Some(match s {
-            "queued" => EffectState::Queued,
-            "sending" => EffectState::Sending,
-            "sent" => EffectState::Sent,
-            "failed" => EffectState::Failed,
-            "cancelled" => EffectState::Cancelled,
-            _ => return None,
-        })
-    }
-
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            EffectState::Queued => "queued",
-            EffectState::Sending => "sending",
-            EffectState::Sent => "sent",
-            EffectState::Failed => "failed",
-            EffectState::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// A new effect. `budget` is (tenant, quota key, cost).
-#[derive(Clone, Debug)]
-pub struct NewEffect<'a> {
-    pub key: &'a str,
-    pub destination: &'a str,
-    pub payload: Value,
-    pub budget: Option<(&'a str, &'a str, i64)>,
-    /// Reserve the budget now (in the caller's transaction) rather than at the claim.
-    pub reserve_now: bool,
-}
-
-/// A ledger row as it is (for callers that inspect, and for tests).
-#[derive(Clone, Debug, PartialEq)]
-pub struct EffectRow {
-    pub effect: Effect,
-    pub state: EffectState,
-    pub claimed_by: Option<String>,
-    pub external_id: Option<String>,
-    pub last_error: Option<String>,
-    pub uncertain: bool,
-    pub cancel_requested: bool,
-    pub withdrawn: bool,
-}
-
-/// What `complete` found.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Completion {
-    /// Written: the effect is `sent` and its reservation consumed.
-    Sent,
-    /// Still ours, but a cancel was requested meanwhile: withdraw the item.
-    CancelRequested,
-    /// Not ours any more (the reconciler or an operator changed it); the state it has.
-    NotOurs(String),
-}
-
-/// What `perform` did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Performed {
-    /// Sent now, or found at the destination by lookup after an unknown outcome.
-    Sent {
-        external_id: String,
-        found_by_lookup: bool,
-    },
-    /// Not claimed: someone else is sending it, or it is finished. Nothing was sent.
-    NotClaimed { state: Option<EffectState> },
-    /// Cancelled while we were sending: our item was withdrawn at the destination.
-    Withdrawn { external_id: String },
-    /// Cancelled while we were sending, but the destination did not delete it: still out.
-    StillOut { external_id: String, error: String },
-    /// Cancelled while we were sending, and the send did not go out: nothing to withdraw.
-    Cancelled,
-}
-
-/// What `cancel` did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Cancelled {
-    /// It was queued: nothing went out; the reservation was released.
-    Cancelled,
-    /// It was out and the destination deleted it.
-    Withdrawn { external_id: String },
-    /// It is out and the destination did not delete it; the ledger says sent, with the error.
-    StillOut { external_id: String, error: String },
-    /// It is being sent; its claimer withdraws it as soon as its send returns.
-    Pending,
-    /// It was already finished (failed or cancelled) or does not exist.
-    Unchanged(Option<EffectState>),
-}
-
-/// Timeouts of the work a claim guards, checked against the lease at construction.
-#[derive(Clone, Debug)]
-pub struct EffectsConfig {
-    /// Who claims (`claimed_by`): unique per worker process.
-    pub worker: String,
-    /// Longest a destination call (send, lookup, delete) may take.
-    pub send_timeout: Duration,
-    /// Longest a write-back may take.
-    pub write_timeout: Duration,
-    /// How long a claim is ours: longer than a send plus its write-back.
-    pub lease: Duration,
-}
-
-impl EffectsConfig {
-    /// Checks that the lease outlives the work it guards: a lease that can run out while
-    /// the send is still going would let the reconciler decide about a live send.
-    pub fn new(
-        worker: impl Into<String>,
-        send_timeout: Duration,
-        write_timeout: Duration,
-        lease: Duration,
-    ) -> Result<EffectsConfig, ConfigError> {
-        let worker = worker.into();
-        if worker.is_empty() {
-            return Err(ConfigError::new("worker", "must not be empty"));
-        }
-        if send_timeout.is_zero() || write_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "send_timeout",
-                "send and write timeouts must be longer than zero",
-            ));
-        }
-        // A send, then possibly a lookup or a withdraw, then the write-back.
-        let guarded = send_timeout * 2 + write_timeout;
-        if lease <= guarded {
-            return Err(ConfigError::new(
-                "lease",
-                format!(
-                    "{lease:?} is not longer than the work it guards (2 x send_timeout + write_timeout = {guarded:?}): raise the lease or lower the timeouts"
-                ),
-            ));
-        }
-        Ok(EffectsConfig {
-            worker,
-            send_timeout,
-            write_timeout,
-            lease,
-        })
-    }
-}
-
 /// The ledger API for one worker. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Ledger {
     cfg: EffectsConfig,
 }
 
-async fn within<T>(
-    limit: Duration,
-    what: &str,
-    fut: impl Future<Output = Result<T, DestinationError>>,
-) -> Result<T, DestinationError> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(r) => r,
-        Err(_) => Err(DestinationError::Unknown(format!(
-            "{what}: no answer within {limit:?}"
-        ))),
-    }
-}
-
 impl Ledger {
+    /// The ledger for the worker and timeouts in `cfg`.
     pub fn new(cfg: EffectsConfig) -> Ledger {
         Ledger { cfg }
     }
 
-    pub fn config(&self) -> &EffectsConfig {
+    pub(crate) fn config(&self) -> &EffectsConfig {
         &self.cfg
-    }
-
-    pub fn worker(&self) -> &str {
-        &self.cfg.worker
     }
 
     /// Adds a queued effect once per key (in the caller's transaction, if it passes one);
@@ -407,7 +118,7 @@ impl Ledger {
     }
 
     /// Writes success back while the row is still ours.
-    pub async fn complete(
+    pub(crate) async fn complete(
         &self,
         client: &Client,
         effect_id: i64,
@@ -444,7 +155,7 @@ impl Ledger {
     /// row has afterwards: `Queued`; `Cancelled` (a cancel was waiting and nothing went out);
     /// `Sending` (a cancel was waiting and it may be out: look it up); or what it was when
     /// it was not ours.
-    pub async fn retry(
+    pub(crate) async fn retry(
         &self,
         client: &Client,
         effect_id: i64,
@@ -657,43 +368,5 @@ async fn withdraw<D: Destination>(
                 error,
             })
         }
-    }
-}
-
-/// A claim this worker holds.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Claimed {
-    pub effect: Effect,
-    /// An earlier attempt may have reached the destination: look it up before sending.
-    pub uncertain: bool,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lease_must_outlive_the_send_it_guards() {
-        let s = Duration::from_secs;
-        assert!(EffectsConfig::new("w", s(10), s(5), s(26)).is_ok());
-        let err = EffectsConfig::new("w", s(10), s(5), s(25)).unwrap_err();
-        assert_eq!(err.flag, "lease");
-        assert!(err.problem.contains("work it guards"), "{}", err.problem);
-        assert_eq!(
-            EffectsConfig::new("", s(1), s(1), s(10)).unwrap_err().flag,
-            "worker"
-        );
-    }
-
-    #[test]
-    fn only_terminal_destination_errors_are_final() {
-        assert!(DestinationError::Transient("503".into()).is_transient());
-        assert!(DestinationError::Unknown("timeout".into()).is_transient());
-        assert!(!DestinationError::Terminal("invalid address".into()).is_transient());
-        let in_doubt = EffectError::InDoubt {
-            key: "k".into(),
-            reason: "timeout".into(),
-        };
-        assert!(!in_doubt.is_transient());
     }
 }
