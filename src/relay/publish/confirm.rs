@@ -16,7 +16,9 @@
 //!   be queued) until a later round sees a confirm that carried nothing;
 //! - after a confirm timeout or channel error ends the lane, so every later confirm counts
 //!   as lost (the engine fails their rows): lapin may hand a return to a confirm we no
-//!   longer watch;
+//!   longer watch. For the same reason no ack drained in the round of that timeout or
+//!   error counts, nor does a suspect get cleared by it: those rows are reported lost and
+//!   published again (a duplicate, never a loss) unless their own return was seen;
 //! - ([`NackRun`]) ends the lane too when the broker has nacked every row for a confirm
 //!   timeout with no ack between: a channel of a node that lost track of a queue's leader
 //!   can nack for good, and only a new session gets past it (the engine then reconnects).
@@ -143,6 +145,18 @@ pub(super) fn decide(
             ConfirmResult::Ack(None) | ConfirmResult::Nack(None)
         )
     });
+    // A confirm we stop watching (timed out, or its channel failed) may still be paired by
+    // lapin with the next queued return when its answer arrives: another row's return can
+    // vanish there, and that row's ack, drained in the same round, then carries nothing.
+    // No ack of such a round proves anything; its rows stay pending and are published
+    // again (a duplicate, never a loss).
+    let distrust = round.iter().find_map(|r| match &r.result {
+        ConfirmResult::TimedOut => Some("a confirm timed out".to_owned()),
+        ConfirmResult::Failed(e) => Some(e.clone()),
+        ConfirmResult::NotRequested => Some("channel not in confirm mode".to_owned()),
+        ConfirmResult::Ack(_) | ConfirmResult::Nack(_) => None,
+    });
+    let untrusted = |why: &str| Outcome::Lost(format!("ack not trusted: {why}"));
     let mut settled = Vec::new();
     let mut held = Vec::new();
     let mut end = None;
@@ -166,15 +180,19 @@ pub(super) fn decide(
                 Outcome::Lost(why.to_owned())
             }
             ConfirmResult::Nack(_) => Outcome::Nacked,
-            ConfirmResult::Ack(_) => match returns.take(&pending.event_id) {
-                Some(returned) => returned,
-                None if !carried => Outcome::Acked(Acked::of(&pending)),
-                None => {
+            ConfirmResult::Ack(_) => {
+                if let Some(returned) = returns.take(&pending.event_id) {
+                    returned
+                } else if let Some(why) = &distrust {
+                    untrusted(why)
+                } else if !carried {
+                    Outcome::Acked(Acked::of(&pending))
+                } else {
                     // Carried another row's return: its own may still be queued.
                     held.push(pending);
                     continue;
                 }
-            },
+            }
         };
         settled.push((pending, outcome));
     }
@@ -184,6 +202,8 @@ pub(super) fn decide(
     for p in suspects {
         if let Some(returned) = returns.take(&p.event_id) {
             settled.push((p, returned));
+        } else if let Some(why) = &distrust {
+            settled.push((p, untrusted(why)));
         } else if clean_seen {
             let acked = Outcome::Acked(Acked::of(&p));
             settled.push((p, acked));

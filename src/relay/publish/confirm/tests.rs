@@ -276,3 +276,36 @@ fn only_nacks_for_a_confirm_timeout_end_the_lane() {
     assert!(!run.for_good(&[returned], at(6), limit));
     assert!(!run.for_good(&[Outcome::Nacked], at(7), limit));
 }
+
+#[test]
+fn acks_in_a_round_with_a_timeout_are_not_trusted() {
+    // Row 1's confirm timed out, but lapin still pairs the next queued return with it when
+    // its ack arrives: row 2's return can be consumed there, and row 2's ack, drained in
+    // the same round, then carries nothing. Its row stays pending (a duplicate, never a
+    // loss); a return that did reach the lane still settles its row.
+    let mut lane = Rounds::new();
+    let round = lane.round(vec![
+        confirm(1, ConfirmResult::TimedOut),
+        ack(2, None),
+        ack(3, ret(4)),
+        ack(4, None),
+    ]);
+    assert_eq!(
+        round.settled,
+        vec![(1, "timed out"), (2, "lost"), (3, "lost"), (4, "returned")]
+    );
+    assert_eq!(round.suspects, Vec::<i64>::new());
+    assert_eq!(round.end.as_deref(), Some("a confirm timed out"));
+
+    // The same after a channel error, and for suspects of earlier rounds: a clean confirm
+    // of such a round proves nothing.
+    let mut lane = Rounds::new();
+    assert_eq!(lane.round(vec![ack(1, ret(9))]).suspects, vec![1]);
+    let round = lane.round(vec![
+        ack(2, None),
+        confirm(3, ConfirmResult::Failed("channel closed".into())),
+    ]);
+    assert_eq!(round.settled, vec![(2, "lost"), (3, "lost"), (1, "lost")]);
+    assert_eq!(round.suspects, Vec::<i64>::new());
+    assert_eq!(round.end.as_deref(), Some("channel closed"));
+}
