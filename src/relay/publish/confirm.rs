@@ -14,11 +14,12 @@
 //!   (the lane drains every confirm already resolved into one round, see `lane`);
 //! - holds an ack that carried another row's return as a suspect (its own return may still
 //!   be queued) until a later round sees a confirm that carried nothing;
-//! - after a confirm timeout or channel error ends the lane, so every later confirm counts
-//!   as lost (the engine fails their rows): lapin may hand a return to a confirm we no
-//!   longer watch. For the same reason no ack drained in the round of that timeout or
-//!   error counts, nor does a suspect get cleared by it: those rows are reported lost and
-//!   published again (a duplicate, never a loss) unless their own return was seen;
+//! - after a confirm timeout or channel error (a probe's too) ends the lane, so every
+//!   later confirm counts as lost (the engine fails their rows): lapin may hand a return
+//!   to a confirm we no longer watch. For the same reason no ack drained in the round of
+//!   that timeout or error counts, nor does a suspect get cleared by it: those rows are
+//!   reported lost and published again (a duplicate, never a loss) unless their own
+//!   return was seen;
 //! - ([`NackRun`]) ends the lane too when the broker has nacked every row for a confirm
 //!   timeout with no ack between: a channel of a node that lost track of a queue's leader
 //!   can nack for good, and only a new session gets past it (the engine then reconnects).
@@ -64,7 +65,19 @@ pub(super) enum ConfirmResult {
     TimedOut,
 }
 
+const NOT_REQUESTED: &str = "channel not in confirm mode";
+
 impl ConfirmResult {
+    /// Why this confirm ends the lane: it timed out or its channel failed.
+    fn failure(&self) -> Option<String> {
+        match self {
+            ConfirmResult::TimedOut => Some("a confirm timed out".to_owned()),
+            ConfirmResult::Failed(e) => Some(e.clone()),
+            ConfirmResult::NotRequested => Some(NOT_REQUESTED.to_owned()),
+            ConfirmResult::Ack(_) | ConfirmResult::Nack(_) => None,
+        }
+    }
+
     fn returned(&self) -> Option<&ReturnInfo> {
         match self {
             ConfirmResult::Ack(r) | ConfirmResult::Nack(r) => r.as_ref(),
@@ -150,35 +163,23 @@ pub(super) fn decide(
     // vanish there, and that row's ack, drained in the same round, then carries nothing.
     // No ack of such a round proves anything; its rows stay pending and are published
     // again (a duplicate, never a loss).
-    let distrust = round.iter().find_map(|r| match &r.result {
-        ConfirmResult::TimedOut => Some("a confirm timed out".to_owned()),
-        ConfirmResult::Failed(e) => Some(e.clone()),
-        ConfirmResult::NotRequested => Some("channel not in confirm mode".to_owned()),
-        ConfirmResult::Ack(_) | ConfirmResult::Nack(_) => None,
-    });
+    // A probe's confirm counts like a row's: lapin pairs returns with it all the same.
+    let failures: Vec<String> = round.iter().filter_map(|r| r.result.failure()).collect();
+    let distrust = failures.first().cloned();
+    // The lane ends on the last failure of the round, the reason it reports.
+    let end = failures.last().cloned();
     let untrusted = |why: &str| Outcome::Lost(format!("ack not trusted: {why}"));
     let mut settled = Vec::new();
     let mut held = Vec::new();
-    let mut end = None;
     for r in round {
         let carried = r.result.returned().is_some();
         let Some(pending) = r.pending else {
             continue;
         };
         let outcome = match r.result {
-            ConfirmResult::TimedOut => {
-                end = Some("a confirm timed out".to_owned());
-                Outcome::TimedOut
-            }
-            ConfirmResult::Failed(e) => {
-                end = Some(e.clone());
-                Outcome::Lost(e)
-            }
-            ConfirmResult::NotRequested => {
-                let why = "channel not in confirm mode";
-                end = Some(why.to_owned());
-                Outcome::Lost(why.to_owned())
-            }
+            ConfirmResult::TimedOut => Outcome::TimedOut,
+            ConfirmResult::Failed(e) => Outcome::Lost(e),
+            ConfirmResult::NotRequested => Outcome::Lost(NOT_REQUESTED.to_owned()),
             ConfirmResult::Nack(_) => Outcome::Nacked,
             ConfirmResult::Ack(_) => {
                 if let Some(returned) = returns.take(&pending.event_id) {

@@ -7,10 +7,11 @@
 //! resolved, so all confirms resolved before a given one are seen with it (the decision's
 //! proof that an ack carried no hidden return rests on this). While suspects wait and no
 //! other confirm would come, the lane sends a probe (a message to an unbound routing key of
-//! the default exchange, not mandatory) whose confirm carries nothing. Once the lane ends,
-//! confirms still outstanding are never reported: they may carry returns it would never see,
-//! so none of them may count as acked; the engine fails their rows when it sees the session
-//! lost. Only here does the relay touch lapin's publish, confirm and return API.
+//! the default exchange, not mandatory) whose confirm carries nothing; a probe that times
+//! out ends the lane like a row's confirm would. Once the lane ends, confirms still
+//! outstanding are never reported: they may carry returns it would never see, so none of
+//! them may count as acked; the engine fails their rows when it sees the session lost.
+//! Only here does the relay touch lapin's publish, confirm and return API.
 
 use std::time::{Duration, Instant};
 

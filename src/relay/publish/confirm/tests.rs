@@ -309,3 +309,18 @@ fn acks_in_a_round_with_a_timeout_are_not_trusted() {
     assert_eq!(round.suspects, Vec::<i64>::new());
     assert_eq!(round.end.as_deref(), Some("channel closed"));
 }
+
+#[test]
+fn a_probe_that_timed_out_ends_the_lane_like_a_row() {
+    // lapin pairs a queued return with a probe's confirm as with any other, so a probe
+    // we stopped watching may swallow a suspect's return: the suspect is not cleared by
+    // the round, and the lane ends.
+    let mut lane = Rounds::new();
+    assert_eq!(lane.round(vec![ack(1, ret(9))]).suspects, vec![1]);
+    let round = lane.round(vec![Resolved {
+        pending: None,
+        result: ConfirmResult::TimedOut,
+    }]);
+    assert_eq!(round.settled, vec![(1, "lost")]);
+    assert_eq!(round.end.as_deref(), Some("a confirm timed out"));
+}
