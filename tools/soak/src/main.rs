@@ -9,7 +9,7 @@
 //! Exit status: 0 when the verdict is PASS, 1 when it is FAIL or the soak could not run,
 //! 2 for bad arguments. README ("Soak") says what is injected and checked.
 //!
-//! Layout: `run.rs` (one run, start to verdict), `schedule.rs` (the seeded fault
+//! Layout: `run/` (one run, start to verdict), `schedule.rs` (the seeded fault
 //! schedule), `procs.rs` (process slots, signals, rabbitmqctl), `producer.rs`, `consumer.rs`
 //! (the consumer process, `outbox-soak consumer`), `destination.rs` (the fake destination
 //! that records every send), `tap.rs` (the tap queue and the duplicate publisher),

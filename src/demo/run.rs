@@ -1,22 +1,11 @@
-//! `outbox-relay demo`: the whole path on local services, for a first-time user.
+//! One demo run: re-create the demo database, start the relay and a consumer-kit runner in
+//! this process, warm the path up with one event, produce at the rate until the stop
+//! condition, drain, and stop in the data path's order (consumer, relay, HTTP).
 //!
-//! Creates (drops and re-creates) a demo database, migrates it, and runs three things in
-//! this process: a producer writing events at `--rate` through the Rust producer API, the
-//! relay ([`crate::relay::run`]), and a consumer-kit runner bound to the demo exchange that
-//! counts what arrives and measures commit→consume latency from `x-outbox-created-at`.
-//! Before the clock starts, one warm-up event must travel the whole path (so a queue that
-//! is not bound yet never makes the first events unroutable). At the end it waits (up to
-//! `--drain-timeout`) for the backlog, stops everything and returns a [`Summary`]:
-//! lost = produced − consumed (unique), duplicates = events handled twice.
-//!
-//! Invariants: only a database this command created (its comment says so) is ever
-//! dropped; like the rest of the library it reads no environment and prints nothing:
-//! `main` renders [`Progress`] and [`Summary`].
+//! Invariant: only a database carrying [`DEMO_MARK`] is ever dropped.
 
 use std::collections::HashSet;
-use std::fmt;
-use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -24,251 +13,20 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::relay::{self, Deps, RelayConfig, RelayError};
+use super::{DEMO_MARK, DemoConfig, DemoError, LatencyHistogram, Progress, Stop, Summary};
+use crate::relay::{self, Deps, RelayConfig};
 use crate::telemetry::Telemetry;
-use outbox_kit::amqp::AmqpTarget;
 use outbox_kit::consumer::runner::{
-    self, ConsumerConfig, ConsumerDeps, ConsumerError, Context, Handler, HandlerError, Message,
+    self, ConsumerConfig, ConsumerDeps, Context, Handler, HandlerError, Message,
 };
-use outbox_kit::contract::Schema;
-use outbox_kit::db::{DbError, DbTarget, deadline};
-use outbox_kit::producer::{NewEvent, Outbox, ProduceError};
-use outbox_kit::schema::{self, MigrateError};
-
-/// The comment a demo database carries; a database without it is never dropped.
-pub const DEMO_MARK: &str =
-    "outbox-relay demo: dropped and re-created by every `outbox-relay demo`";
+use outbox_kit::db::{DbTarget, deadline};
+use outbox_kit::producer::{NewEvent, Outbox};
+use outbox_kit::schema;
 
 /// How long the warm-up event may take to travel the whole path.
 const WARM_UP_LIMIT: Duration = Duration::from_secs(30);
 /// Most events per INSERT statement (a producer that fell behind catches up in chunks).
 const MAX_BATCH: u64 = 1_000;
-
-/// When production stops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stop {
-    After(Duration),
-    Events(NonZeroU64),
-}
-
-/// Everything the demo needs, validated (`config.rs` builds it from the flags).
-#[derive(Clone, Debug)]
-pub struct DemoConfig {
-    /// The server, through the database the URL names (the demo database is created from there).
-    pub server: DbTarget,
-    /// The demo database's name (a plain identifier, not the one `server` names).
-    pub database: String,
-    pub schema: Schema,
-    pub amqp: AmqpTarget,
-    pub exchange: String,
-    /// The consumer's queue and its name in the inbox.
-    pub queue: String,
-    /// Events per second.
-    pub rate: NonZeroU32,
-    pub stop: Stop,
-    /// Distinct keys (aggregate ids) the events are spread over.
-    pub keys: NonZeroU32,
-    /// How long to wait for the backlog after production stopped.
-    pub drain_timeout: Duration,
-    /// Serve the relay's dashboard and metrics here while the demo runs.
-    pub http_listen: Option<SocketAddr>,
-}
-
-/// Why the demo could not run.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DemoError {
-    /// The named database exists and was not made by the demo: it is left alone.
-    #[error(
-        "database '{0}' exists and was not created by outbox-relay demo; pick another --database-name (or drop it yourself)"
-    )]
-    NotADemoDatabase(String),
-    /// Postgres failed or refused (creating the database needs CREATEDB).
-    #[error("{0}")]
-    Db(#[from] DbError),
-    #[error("migrating the demo database: {0}")]
-    Migrate(#[from] MigrateError),
-    #[error("producing: {0}")]
-    Produce(#[from] ProduceError),
-    #[error("the relay stopped: {0}")]
-    Relay(#[from] RelayError),
-    #[error("the consumer stopped: {0}")]
-    Consumer(#[from] ConsumerError),
-    /// The warm-up event did not arrive: the broker or the topology is not working.
-    #[error(
-        "the warm-up event did not reach the consumer within {0:?}: is RabbitMQ reachable, and may this user declare and bind the demo exchange and queue?"
-    )]
-    WarmUp(Duration),
-    /// `--http-listen` names an address we cannot listen on.
-    #[error("--http-listen: cannot listen on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
-    /// Stopped (SIGINT/SIGTERM) before the first event was produced.
-    #[error("interrupted before the first event was produced")]
-    Interrupted,
-    /// A task ended without saying why (a panic).
-    #[error("{0} ended unexpectedly")]
-    Task(&'static str),
-}
-
-impl From<tokio_postgres::Error> for DemoError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        DemoError::Db(e.into())
-    }
-}
-
-/// A live view, about once a second.
-#[derive(Clone, Debug)]
-pub struct Progress {
-    pub elapsed: Duration,
-    pub produced: u64,
-    /// Rows the relay marked dispatched (the broker confirmed them).
-    pub published: u64,
-    /// Distinct events the consumer handled.
-    pub consumed: u64,
-    pub p50: Option<Duration>,
-    pub p99: Option<Duration>,
-    /// Producing is over; waiting for the backlog.
-    pub draining: bool,
-}
-
-impl fmt::Display for Progress {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "demo {:>4.0}s{}: produced {}, published {}, consumed {}, latency p50 {} p99 {}",
-            self.elapsed.as_secs_f64(),
-            if self.draining { " (draining)" } else { "" },
-            self.produced,
-            self.published,
-            self.consumed,
-            ms(self.p50),
-            ms(self.p99),
-        )
-    }
-}
-
-/// How the demo ended.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Summary {
-    pub produced: u64,
-    pub published: u64,
-    /// Distinct events of this run the consumer handled.
-    pub consumed: u64,
-    /// Produced and never consumed (within the drain timeout).
-    pub lost: u64,
-    /// Events the handler saw again after it had handled them (the inbox should make this 0).
-    pub duplicates: u64,
-    /// Events consumed that this run did not produce (left in the queue by an earlier run).
-    pub stray: u64,
-    pub p50: Option<Duration>,
-    pub p99: Option<Duration>,
-    pub max: Option<Duration>,
-    /// From the first event produced to the last one consumed (or the end of the drain).
-    pub elapsed: Duration,
-    /// The rate production reached.
-    pub rate: f64,
-    /// Producing was cut short by a signal.
-    pub interrupted: bool,
-}
-
-impl fmt::Display for Summary {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "demo summary: produced {}, published {}, consumed {}, lost {}, duplicates {}, stray {}; \
-             latency p50 {} p99 {} max {}; {:.1}s, produced at {:.1} events/s{}",
-            self.produced,
-            self.published,
-            self.consumed,
-            self.lost,
-            self.duplicates,
-            self.stray,
-            ms(self.p50),
-            ms(self.p99),
-            ms(self.max),
-            self.elapsed.as_secs_f64(),
-            self.rate,
-            if self.interrupted {
-                " (interrupted)"
-            } else {
-                ""
-            },
-        )
-    }
-}
-
-fn ms(d: Option<Duration>) -> String {
-    match d {
-        Some(d) => format!("{:.1}ms", d.as_secs_f64() * 1000.0),
-        None => "-".into(),
-    }
-}
-
-/// Latencies in log-spaced buckets (5 % apart, 50 µs to about 17 minutes): constant memory
-/// whatever the run's length, percentiles within 5 %.
-#[derive(Clone, Debug)]
-pub struct LatencyHistogram {
-    counts: Vec<u64>,
-    total: u64,
-    max: Duration,
-}
-
-const HIST_BASE_SECS: f64 = 50e-6;
-const HIST_GROWTH: f64 = 1.05;
-const HIST_BUCKETS: usize = 350;
-
-impl Default for LatencyHistogram {
-    fn default() -> Self {
-        LatencyHistogram {
-            counts: vec![0; HIST_BUCKETS],
-            total: 0,
-            max: Duration::ZERO,
-        }
-    }
-}
-
-impl LatencyHistogram {
-    pub fn record(&mut self, d: Duration) {
-        let secs = d.as_secs_f64();
-        let i = if secs <= HIST_BASE_SECS {
-            0
-        } else {
-            ((secs / HIST_BASE_SECS).ln() / HIST_GROWTH.ln()).ceil() as usize
-        };
-        self.counts[i.min(HIST_BUCKETS - 1)] += 1;
-        self.total += 1;
-        self.max = self.max.max(d);
-    }
-
-    pub fn count(&self) -> u64 {
-        self.total
-    }
-
-    pub fn max(&self) -> Option<Duration> {
-        (self.total > 0).then_some(self.max)
-    }
-
-    /// The upper bound of the bucket holding quantile `q` (0..=1), never above the maximum.
-    pub fn quantile(&self, q: f64) -> Option<Duration> {
-        if self.total == 0 {
-            return None;
-        }
-        let rank = ((q.clamp(0.0, 1.0) * self.total as f64).ceil() as u64).max(1);
-        let mut seen = 0;
-        for (i, c) in self.counts.iter().enumerate() {
-            seen += c;
-            if seen >= rank && i + 1 < HIST_BUCKETS {
-                let upper = Duration::from_secs_f64(HIST_BASE_SECS * HIST_GROWTH.powi(i as i32));
-                return Some(upper.min(self.max));
-            }
-        }
-        Some(self.max)
-    }
-}
-
 /// What the consumer saw, shared between its handler and the demo loop.
 #[derive(Default)]
 struct Seen {
@@ -589,61 +347,5 @@ fn ended<E: Into<DemoError>>(
     match r {
         Ok(Err(e)) => e.into(),
         _ => DemoError::Task(what),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn histogram_quantiles_are_within_five_percent() {
-        let mut h = LatencyHistogram::default();
-        assert_eq!(h.quantile(0.5), None);
-        for ms in 1..=1000u64 {
-            h.record(Duration::from_millis(ms));
-        }
-        assert_eq!(h.count(), 1000);
-        let p50 = h.quantile(0.5).unwrap().as_secs_f64() * 1000.0;
-        let p99 = h.quantile(0.99).unwrap().as_secs_f64() * 1000.0;
-        assert!((500.0..=525.0).contains(&p50), "p50 {p50}");
-        assert!((990.0..=1000.0).contains(&p99), "p99 {p99}");
-        assert_eq!(h.max(), Some(Duration::from_millis(1000)));
-        assert_eq!(h.quantile(1.0), Some(Duration::from_millis(1000)));
-    }
-
-    #[test]
-    fn histogram_keeps_tiny_and_huge_values() {
-        let mut h = LatencyHistogram::default();
-        h.record(Duration::ZERO);
-        h.record(Duration::from_secs(100_000));
-        assert_eq!(
-            h.quantile(0.0).unwrap(),
-            Duration::from_secs_f64(HIST_BASE_SECS)
-        );
-        assert_eq!(h.quantile(1.0), Some(Duration::from_secs(100_000)));
-    }
-
-    #[test]
-    fn summary_line_names_every_figure() {
-        let s = Summary {
-            produced: 10,
-            published: 10,
-            consumed: 10,
-            lost: 0,
-            duplicates: 0,
-            stray: 0,
-            p50: Some(Duration::from_micros(1500)),
-            p99: None,
-            max: Some(Duration::from_millis(3)),
-            elapsed: Duration::from_secs(2),
-            rate: 5.0,
-            interrupted: false,
-        };
-        assert_eq!(
-            s.to_string(),
-            "demo summary: produced 10, published 10, consumed 10, lost 0, duplicates 0, stray 0; \
-             latency p50 1.5ms p99 - max 3.0ms; 2.0s, produced at 5.0 events/s"
-        );
     }
 }

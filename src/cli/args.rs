@@ -1,0 +1,332 @@
+//! The raw flags, as clap parses them: one struct per command, strings where a value needs
+//! checking (parsing them is `config.rs`'s job, so a bad value names its flag in our own
+//! words). Every flag also reads an environment variable; these types never leave the binary.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outbox-relay",
+    version,
+    about = "Publishes committed outbox rows from Postgres to RabbitMQ, with publisher confirms"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+
+    /// Log output format.
+    #[arg(
+        long,
+        global = true,
+        env = "OUTBOX_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // built once per process
+pub enum Command {
+    /// Run the relay until SIGTERM or SIGINT (migrates first unless --no-migrate).
+    Run(RunArgs),
+    /// Apply the schema migrations in sql/ and exit.
+    Migrate(DbArgs),
+    /// Pending and parked counts, throughput, and the relays alive with what each owns.
+    Status(StatusArgs),
+    /// Rows the relay gave up on.
+    Parked {
+        #[command(subcommand)]
+        command: ParkedCommand,
+    },
+    /// Put parked rows back to pending (attempts reset); they are published in per-key order.
+    Redrive(RedriveArgs),
+    /// Consumer kit: list effects stuck in `sending` for review and delete old ledger and
+    /// inbox rows (resolving through lookups needs the library: consumer::reconcile).
+    Reconcile(ReconcileArgs),
+    /// A first run on local services: creates a demo database, produces events at a rate,
+    /// runs the relay and a consumer in this process, shows progress and a summary.
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// The Postgres server, through a database that exists (the demo database is created
+    /// there) [default: postgres://postgres@127.0.0.1:5432/postgres]; or DATABASE_URL_FILE.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+
+    /// Schema of the outbox tables in the demo database.
+    #[arg(long, env = "OUTBOX_SCHEMA", default_value = "public")]
+    pub schema: String,
+
+    /// RabbitMQ URL [default: amqp://guest:guest@127.0.0.1:5672/%2f]; or AMQP_URL_FILE.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+
+    /// The demo database: dropped and re-created (only if an earlier demo created it).
+    #[arg(long, env = "OUTBOX_DEMO_DATABASE", default_value = "outbox_demo")]
+    pub database_name: String,
+
+    /// Exchange the demo's relay publishes to.
+    #[arg(long, env = "OUTBOX_DEMO_EXCHANGE", default_value = "outbox.demo")]
+    pub exchange: String,
+
+    /// Queue of the demo's consumer, bound to the exchange with "#".
+    #[arg(long, env = "OUTBOX_DEMO_QUEUE", default_value = "outbox-demo")]
+    pub queue: String,
+
+    /// Events produced per second.
+    #[arg(long, env = "OUTBOX_DEMO_RATE", default_value = "200")]
+    pub rate: String,
+
+    /// How long to produce [default: 10s]; or give --events.
+    #[arg(long, env = "OUTBOX_DEMO_DURATION")]
+    pub duration: Option<String>,
+
+    /// How many events to produce (instead of --duration).
+    #[arg(long, env = "OUTBOX_DEMO_EVENTS")]
+    pub events: Option<String>,
+
+    /// Distinct keys (aggregate ids) the events are spread over.
+    #[arg(long, env = "OUTBOX_DEMO_KEYS", default_value = "100")]
+    pub keys: String,
+
+    /// After producing, how long to wait for the last events to arrive.
+    #[arg(long, env = "OUTBOX_DEMO_DRAIN_TIMEOUT", default_value = "30s")]
+    pub drain_timeout: String,
+
+    /// Serve the relay's dashboard and metrics here while the demo runs (e.g. 127.0.0.1:9464), or "off".
+    #[arg(long, env = "OUTBOX_DEMO_HTTP_LISTEN", default_value = "off")]
+    pub http_listen: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ReconcileArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    /// An effect in `sending` this long after its claim (and past its lease) is stuck.
+    #[arg(long, env = "OUTBOX_STUCK_AFTER", default_value = "10m")]
+    pub stuck_after: String,
+
+    /// The longest send any consumer allows; --stuck-after must be longer.
+    #[arg(long, env = "OUTBOX_SEND_TIMEOUT", default_value = "30s")]
+    pub send_timeout: String,
+
+    /// Finished effects and inbox rows older than this are deleted.
+    #[arg(long, env = "OUTBOX_RECONCILE_RETENTION", default_value = "7d")]
+    pub retention: String,
+
+    /// Rows deleted per statement.
+    #[arg(long, env = "OUTBOX_RECONCILE_BATCH_SIZE", default_value = "1000")]
+    pub batch_size: String,
+
+    /// Run again at this interval until SIGTERM (default: one pass, then exit).
+    #[arg(long, env = "OUTBOX_RECONCILE_EVERY")]
+    pub every: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ParkedCommand {
+    /// List parked rows with their reason and attempts.
+    List(ParkedListArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Print JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
+    /// Accepted for symmetry with the other operator commands; status never writes.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// Filters shared by `parked list` and `redrive`.
+#[derive(Debug, Args)]
+pub struct FilterArgs {
+    /// Only rows of this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+    /// Only rows of this aggregate type.
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+    /// Only rows of this aggregate id.
+    #[arg(long)]
+    pub aggregate_id: Option<String>,
+    /// Only rows parked since then: a duration ago (`1h`, `2d`) or an RFC 3339 time.
+    #[arg(long)]
+    pub since: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ParkedListArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Most rows to show.
+    #[arg(long, default_value = "100")]
+    pub limit: String,
+    /// Print JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
+    /// Accepted for symmetry with the other operator commands; listing never writes.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RedriveArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Parked row id (repeat for several).
+    #[arg(long = "id")]
+    pub ids: Vec<String>,
+    /// Parked row event id (repeat for several).
+    #[arg(long = "event-id")]
+    pub event_ids: Vec<String>,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Every parked row.
+    #[arg(long)]
+    pub all_parked: bool,
+    /// Report what would be re-driven and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DbArgs {
+    /// Postgres connection string, URL or key=value form [default:
+    /// postgres://postgres@127.0.0.1:5432/postgres]; or DATABASE_URL_FILE names a file holding it.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+
+    /// Schema that holds outbox_events and the relay's tables.
+    #[arg(long, env = "OUTBOX_SCHEMA", default_value = "public")]
+    pub schema: String,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    /// RabbitMQ URL, amqp:// or amqps:// [default: amqp://guest:guest@127.0.0.1:5672/%2f];
+    /// or AMQP_URL_FILE names a file holding it.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+
+    /// PEM file of the CA that signed the broker's certificate (for amqps://).
+    #[arg(long, env = "AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<std::path::PathBuf>,
+
+    /// Where to serve /livez, /readyz, /metrics and the dashboard, or "off".
+    #[arg(long, env = "OUTBOX_HTTP_LISTEN", default_value = "127.0.0.1:9464")]
+    pub http_listen: String,
+
+    /// Token that allows re-driving from the dashboard (without one it is read-only); or
+    /// OUTBOX_ADMIN_TOKEN_FILE names a file holding it.
+    #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    /// Add the CloudEvents AMQP binding headers (cloudEvents:id, :type, :source, :time, ...).
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS")]
+    pub cloudevents: bool,
+
+    /// The CloudEvents `source` attribute, with --cloudevents.
+    #[arg(
+        long,
+        env = "OUTBOX_CLOUDEVENTS_SOURCE",
+        default_value = "/outbox-relay"
+    )]
+    pub cloudevents_source: String,
+
+    /// Delete dispatched rows older than this (for example 7d), or "off" to keep them.
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "off")]
+    pub retention: String,
+
+    /// Exchange the relay publishes to (a durable topic exchange).
+    #[arg(long, env = "OUTBOX_EXCHANGE", default_value = "outbox.events")]
+    pub exchange: String,
+
+    /// Do not declare the exchange; it must exist.
+    #[arg(long, env = "OUTBOX_NO_DECLARE")]
+    pub no_declare: bool,
+
+    /// Do not apply migrations at start-up.
+    #[arg(long, env = "OUTBOX_NO_MIGRATE")]
+    pub no_migrate: bool,
+
+    /// Rows claimed per poll (one chunk).
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value = "500")]
+    pub batch_size: String,
+
+    /// Poll interval when nothing wakes the relay; polling is the source of truth.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s")]
+    pub poll_interval: String,
+
+    /// How long after a claim passed a row's id the next claims still look for it (a row
+    /// that committed a little after higher ids); later ones wait for the next poll's sweep.
+    #[arg(long, env = "OUTBOX_LATE_COMMIT_WINDOW", default_value = "100ms")]
+    pub late_commit_window: String,
+
+    /// Do not LISTEN for the insert wake-up; rely on polling alone.
+    #[arg(long, env = "OUTBOX_NO_LISTEN")]
+    pub no_listen: bool,
+
+    /// Attempts before a row the broker returns as unroutable is parked.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value = "10")]
+    pub max_attempts: String,
+
+    /// Largest message (body and headers) the relay publishes; larger rows are parked.
+    #[arg(long, env = "OUTBOX_MAX_MESSAGE_BYTES", default_value = "1048576")]
+    pub max_message_bytes: String,
+
+    /// How long a SIGTERM waits for in-flight confirms before exiting.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "10s")]
+    pub shutdown_timeout: String,
+
+    /// How long to wait for the broker's confirm of one message (and how long a session
+    /// may get nothing but nacks before it is replaced).
+    #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", default_value = "15s")]
+    pub confirm_timeout: String,
+
+    /// Most messages published and not yet confirmed, over all channels.
+    #[arg(long, env = "OUTBOX_CONFIRM_WINDOW", default_value = "1024")]
+    pub confirm_window: String,
+
+    /// AMQP channels to publish on in parallel.
+    #[arg(long, env = "OUTBOX_CHANNELS", default_value = "2")]
+    pub channels: String,
+
+    /// Partition lease; a relay that dies or stalls is taken over within about 1.3 leases.
+    #[arg(long, env = "OUTBOX_LEASE", default_value = "15s")]
+    pub lease: String,
+
+    /// What a parked row does to the later rows of its key: continue or block-key.
+    #[arg(long, env = "OUTBOX_ON_PARK", default_value = "continue")]
+    pub on_park: String,
+
+    /// First retry delay after a failed publish (doubles up to --retry-max, with jitter).
+    #[arg(long, env = "OUTBOX_RETRY_MIN", default_value = "500ms")]
+    pub retry_min: String,
+
+    /// Longest retry delay after failed publishes.
+    #[arg(long, env = "OUTBOX_RETRY_MAX", default_value = "60s")]
+    pub retry_max: String,
+
+    /// Payload bytes the relay holds in memory at most (claimed and not yet dispatched).
+    #[arg(long, env = "OUTBOX_MAX_IN_MEMORY_BYTES", default_value = "67108864")]
+    pub max_in_memory_bytes: String,
+}

@@ -1,0 +1,130 @@
+//! The measurements of issue 6, one function each. Every one builds its own database and
+//! broker names, runs the relay as a child process, checks that what it measured really
+//! happened (every row dispatched, every message queued or received) and cleans up.
+//!
+//! One file per measurement: `ceiling.rs` (1), `drain.rs` (2 and 6), `latency.rs` (3),
+//! `producer.rs` (4), `growth.rs` (5), `sweep.rs`, `scale.rs` (7); this file holds what they
+//! share: the context, the settings and the wait with a deadline.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use outbox_kit::amqp::AmqpTarget;
+
+use crate::amqp::BenchBroker;
+use crate::pg::{Admin, BenchDb};
+use crate::relay::{Launcher, RelayProcess, RelaySettings};
+
+mod ceiling;
+mod drain;
+mod growth;
+mod latency;
+mod producer;
+mod scale;
+mod sweep;
+
+pub use ceiling::{CeilingRuns, broker_ceiling};
+pub use drain::{Drain, drain, prepare_backlog};
+pub use growth::{Growth, growth};
+pub use latency::{Latency, latency};
+pub use producer::{ProducerCost, producer_cost};
+pub use scale::{Scale, scale_out};
+pub use sweep::{Sweep, SweepPoint, sweep};
+
+/// Everything the measurements share.
+pub struct Ctx {
+    pub s: Settings,
+    pub admin: Admin,
+    pub amqp: AmqpTarget,
+    pub launcher: Launcher,
+    /// A command run around the main drain (for example `perf record -a -g -o FILE`).
+    pub drain_profiler: Option<String>,
+    runs: AtomicU64,
+}
+
+/// Sizes and durations of one bench run (full or smoke).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub smoke: bool,
+    pub events: u64,
+    pub keys: u64,
+    pub relay: RelaySettings,
+    pub latency_rates: Vec<u64>,
+    pub latency_secs: f64,
+    pub latency_warmup_secs: f64,
+    pub latency_producers: usize,
+    pub producer_secs: f64,
+    pub producer_warmup_secs: f64,
+    pub producers: usize,
+    pub producer_rounds: usize,
+    pub wakeup_samples: usize,
+    pub wakeup_spacing: Duration,
+    pub growth_rows: u64,
+    pub growth_rounds: usize,
+    pub sweep_batches: Vec<usize>,
+    pub sweep_channels: Vec<usize>,
+    pub sweep_events: u64,
+    pub scale_relays: Vec<usize>,
+    pub scale_events: u64,
+}
+
+impl Ctx {
+    pub fn new(
+        s: Settings,
+        admin: Admin,
+        amqp: AmqpTarget,
+        launcher: Launcher,
+        drain_profiler: Option<String>,
+    ) -> Ctx {
+        Ctx {
+            s,
+            admin,
+            amqp,
+            launcher,
+            drain_profiler,
+            runs: AtomicU64::new(0),
+        }
+    }
+
+    fn tag(&self, what: &str) -> String {
+        format!("{what}{}", self.runs.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn start_relay(
+        &self,
+        name: &str,
+        db: &BenchDb,
+        broker: &BenchBroker,
+        s: &RelaySettings,
+    ) -> Result<RelayProcess> {
+        self.launcher.start(name, &db.url, &broker.exchange, s)
+    }
+}
+
+/// Polls `check` every 20 ms until it returns true; fails after `limit` with `what`.
+/// Each of `relays` is checked for an early exit on each round.
+async fn wait_until<F, Fut>(
+    what: &str,
+    limit: Duration,
+    relays: &mut [RelayProcess],
+    mut check: F,
+) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await? {
+            return Ok(());
+        }
+        for r in relays.iter_mut() {
+            r.check_alive()?;
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {limit:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
