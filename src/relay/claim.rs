@@ -1,7 +1,7 @@
 //! The relay's SQL: claiming rows, marking them dispatched, recording failures and
 //! parking, leasing partitions, and the wake-up flag. One `const` per statement.
 //!
-//! Invariants: `dispatched_at` is written only by [`mark_dispatched`], which takes
+//! Invariants: `dispatched_at` is written only by `mark_dispatched`, which takes
 //! [`Acked`] values that only `relay/publish.rs` can make (from a broker ack without a
 //! return); a parked row is never marked dispatched (`parked_at IS NULL` in the UPDATE);
 //! marking and parking never touch a row that already has a final state.
@@ -18,23 +18,37 @@ use outbox_kit::db::{DbError, deadline};
 /// A pending row as claimed, with everything needed to publish it.
 #[derive(Clone, Debug)]
 pub struct ClaimedRow {
+    /// The row's `id`.
     pub id: i64,
+    /// The event's identity: the AMQP `message_id`.
     pub event_id: Uuid,
+    /// Half of the key; a header.
     pub aggregate_type: String,
+    /// The other half of the key; a header.
     pub aggregate_id: String,
+    /// The AMQP `type`.
     pub event_type: String,
+    /// The row's routing key, or `<aggregate_type>.<event_type>`.
     pub routing_key: String,
     /// The payload's JSON text; `None` when it is larger than `--max-message-bytes`.
     pub body: Option<Arc<str>>,
+    /// The payload's size in bytes (also when `body` is `None`).
     pub body_bytes: usize,
+    /// The row's user headers as JSON text.
     pub headers: String,
+    /// W3C trace context, passed on as a header.
     pub traceparent: Option<String>,
+    /// W3C trace state, passed on as a header.
     pub tracestate: Option<String>,
     /// created_at in unix seconds (microsecond precision).
     pub created_epoch: f64,
+    /// created_at in RFC 3339 with microseconds (`x-outbox-created-at`).
     pub created_text: String,
+    /// Failed attempts so far.
     pub attempts: i32,
+    /// The row's number within its key (`x-outbox-seq`).
     pub seq: i64,
+    /// The partition (of the key) whose lease lets this relay publish the row.
     pub partition: u8,
 }
 
@@ -167,7 +181,7 @@ pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed,
     Ok(out)
 }
 
-/// The statement [`mark`] runs: `$1` the acked ids, `$2` their numbers (public for the
+/// The statement `mark_dispatched` runs: `$1` the acked ids, `$2` their numbers (public for the
 /// plan tests). "Pending" is `coalesce(..) IS NULL`, which no partial index serves, so the
 /// rows are found by primary key whatever Postgres believes about how many are pending.
 /// Written as two IS NULLs, statistics taken while none were pending (a vacuum of an idle

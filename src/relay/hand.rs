@@ -24,11 +24,14 @@ use super::claim::ClaimedRow;
 /// A key: aggregate type and aggregate id.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Key {
+    /// The row's `aggregate_type`.
     pub aggregate_type: String,
+    /// The row's `aggregate_id`.
     pub aggregate_id: String,
 }
 
 impl Key {
+    /// The key of a claimed row.
     pub fn of(row: &ClaimedRow) -> Key {
         Key {
             aggregate_type: row.aggregate_type.clone(),

@@ -54,23 +54,39 @@ pub enum OnPark {
 /// The relay's settings (see README for each flag).
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
+    /// `--exchange`: the topic exchange rows are published to.
     pub exchange: String,
+    /// Declare the exchange at connect (`--no-declare` turns it off).
     pub declare_exchange: bool,
+    /// `--batch-size`: most rows per claim.
     pub batch_size: NonZeroUsize,
+    /// `--poll-interval`: the longest wait between claims, and between sweeps.
     pub poll_interval: Duration,
     /// How far back forward claims read again while they keep up (see `Pass`).
     pub late_commit_window: Duration,
+    /// LISTEN for the producers' NOTIFY (`--no-listen`: polling only).
     pub listen: bool,
+    /// `--max-attempts`: an unroutable row is parked after this many.
     pub max_attempts: NonZeroU32,
+    /// `--max-message-bytes`: a larger row is parked at once.
     pub max_message_bytes: NonZeroUsize,
+    /// `--shutdown-timeout`: how long a shutdown waits for confirms and marks.
     pub shutdown_timeout: Duration,
+    /// `--confirm-timeout`: a message without a confirm by then is retried.
     pub confirm_timeout: Duration,
+    /// `--confirm-window`: most unconfirmed messages at a time.
     pub confirm_window: NonZeroUsize,
+    /// `--channels`: AMQP channels (lanes) to publish on.
     pub channels: NonZeroUsize,
+    /// `--lease`: how long a partition lease lasts without renewal.
     pub lease: Duration,
+    /// `--on-park`: what a parked row does to the later rows of its key.
     pub on_park: OnPark,
+    /// `--retry-min`: the first retry delay of a refused row.
     pub retry_min: Duration,
+    /// `--retry-max`: the longest retry delay of a refused row.
     pub retry_max: Duration,
+    /// `--max-in-memory-bytes`: most payload bytes held between claim and mark.
     pub max_in_memory_bytes: NonZeroUsize,
     /// Delete dispatched rows older than this (`--retention`); `None` keeps them.
     pub retention: Option<Duration>,
@@ -112,7 +128,9 @@ pub struct Deps {
     pub pool: Pool,
     /// For the dedicated LISTEN connection.
     pub db: DbTarget,
+    /// The schema the outbox tables live in (`--schema`).
     pub schema: Schema,
+    /// The broker to publish to.
     pub amqp: AmqpTarget,
     /// Where this relay logs and counts (one per relay; `Telemetry::default()` is fine).
     pub telemetry: Telemetry,
@@ -136,13 +154,18 @@ pub enum RelayError {
 /// Who this relay is, in the database and at the broker.
 #[derive(Clone, Debug)]
 pub struct Identity {
+    /// Unique among live relays: the owner of leases in the database.
     pub relay_id: String,
+    /// The host name shown by `status`.
     pub host: String,
+    /// The process id shown by `status`.
     pub pid: i32,
+    /// The AMQP connection name the broker shows.
     pub connection_name: String,
 }
 
 impl Identity {
+    /// This process: host, pid and a random suffix.
     pub fn of_this_process() -> Identity {
         use std::hash::{BuildHasher, Hasher};
         let host = hostname();

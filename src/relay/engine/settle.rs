@@ -1,8 +1,9 @@
 //! Verdicts: what the broker's settlements and the database's failure records do to the
 //! rows in the hand. An ack queues the row's mark (the only way to a mark: an
-//! [`Acked`](crate::relay::publish::Acked) comes from a confirm); a nack, return, timeout or lost channel fails the row, which is
-//! recorded as pending (retried after its backoff) or parked. A row whose key's rows all
-//! went out while more may be pending asks the next claim for that key by name.
+//! [`Acked`](crate::relay::publish::Acked) comes from a confirm); a nack, return, timeout
+//! or lost channel fails the row, which is recorded as pending (retried after its backoff)
+//! or parked. A row whose key's rows all went out while more may be pending asks the next
+//! claim for that key by name.
 
 use tokio::time::Instant;
 
