@@ -1,7 +1,7 @@
 //! The relay's SQL: claiming rows, marking them dispatched, recording failures and
 //! parking, leasing partitions, and the wake-up flag. One `const` per statement.
 //!
-//! Invariants: `dispatched_at` is written only by [`mark_dispatched`], which takes
+//! Invariants: `dispatched_at` is written only by `mark_dispatched`, which takes
 //! [`Acked`] values that only `relay/publish.rs` can make (from a broker ack without a
 //! return); a parked row is never marked dispatched (`parked_at IS NULL` in the UPDATE);
 //! marking and parking never touch a row that already has a final state.
@@ -18,29 +18,48 @@ use outbox_kit::db::{DbError, deadline};
 /// A pending row as claimed, with everything needed to publish it.
 #[derive(Clone, Debug)]
 pub struct ClaimedRow {
+    /// The row's `id`.
     pub id: i64,
+    /// The event's identity: the AMQP `message_id`.
     pub event_id: Uuid,
+    /// Half of the key; a header.
     pub aggregate_type: String,
+    /// The other half of the key; a header.
     pub aggregate_id: String,
+    /// The AMQP `type`.
     pub event_type: String,
+    /// The row's routing key, or `<aggregate_type>.<event_type>`.
     pub routing_key: String,
     /// The payload's JSON text; `None` when it is larger than `--max-message-bytes`.
     pub body: Option<Arc<str>>,
+    /// The payload's size in bytes (also when `body` is `None`).
     pub body_bytes: usize,
+    /// The row's user headers as JSON text.
     pub headers: String,
+    /// W3C trace context, passed on as a header.
     pub traceparent: Option<String>,
+    /// W3C trace state, passed on as a header.
     pub tracestate: Option<String>,
     /// created_at in unix seconds (microsecond precision).
     pub created_epoch: f64,
+    /// created_at in RFC 3339 with microseconds (`x-outbox-created-at`).
     pub created_text: String,
+    /// Failed attempts so far.
     pub attempts: i32,
+    /// The row's number within its key (`x-outbox-seq`).
     pub seq: i64,
+    /// The partition (of the key) whose lease lets this relay publish the row.
     pub partition: u8,
 }
 
 impl ClaimedRow {
     #[cfg(test)]
-    pub fn for_test(id: i64, aggregate_type: &str, aggregate_id: &str, seq: i64) -> ClaimedRow {
+    pub(crate) fn for_test(
+        id: i64,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        seq: i64,
+    ) -> ClaimedRow {
         ClaimedRow {
             id,
             event_id: Uuid::nil(),
@@ -64,38 +83,38 @@ impl ClaimedRow {
 
 /// What one claim call found.
 #[derive(Debug)]
-pub struct Claimed {
+pub(crate) struct Claimed {
     /// Where the next claim continues from.
-    pub scanned_to: i64,
+    pub(crate) scanned_to: i64,
     /// Candidate rows the scan looked at; fewer than the limit means it reached the end.
-    pub scanned: usize,
+    pub(crate) scanned: usize,
     /// How many rows per key the claim took at most (a key that got this many may have more).
-    pub per_key: usize,
-    pub rows: Vec<ClaimedRow>,
+    pub(crate) per_key: usize,
+    pub(crate) rows: Vec<ClaimedRow>,
 }
 
 /// Arguments of one claim.
 #[derive(Clone, Copy, Debug)]
-pub struct ClaimRequest<'a> {
-    pub relay_id: &'a str,
-    pub after: i64,
+pub(crate) struct ClaimRequest<'a> {
+    pub(crate) relay_id: &'a str,
+    pub(crate) after: i64,
     /// A sweep reads only up to here (the forward cursor).
-    pub before: Option<i64>,
-    pub limit: usize,
-    pub per_key: usize,
-    pub block_parked_keys: bool,
-    pub max_message_bytes: usize,
-    pub max_bytes: usize,
+    pub(crate) before: Option<i64>,
+    pub(crate) limit: usize,
+    pub(crate) per_key: usize,
+    pub(crate) block_parked_keys: bool,
+    pub(crate) max_message_bytes: usize,
+    pub(crate) max_bytes: usize,
     /// Keys to continue whatever the cursor: their earlier rows were published and more
     /// may be waiting.
-    pub keys: &'a [Key],
+    pub(crate) keys: &'a [Key],
     /// Rows the relay holds: left out (they go out before anything new of their key).
-    pub held: &'a [i64],
+    pub(crate) held: &'a [i64],
 }
 
 const CLAIM: &str = "SELECT * FROM outbox_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
-pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbError> {
+pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbError> {
     let client = deadline(pool.get()).await?;
     let stmt = deadline(client.prepare_cached(CLAIM)).await?;
     let limit = i32::try_from(req.limit).unwrap_or(i32::MAX);
@@ -162,7 +181,7 @@ pub async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed, DbErro
     Ok(out)
 }
 
-/// The statement [`mark`] runs: `$1` the acked ids, `$2` their numbers (public for the
+/// The statement `mark_dispatched` runs: `$1` the acked ids, `$2` their numbers (public for the
 /// plan tests). "Pending" is `coalesce(..) IS NULL`, which no partial index serves, so the
 /// rows are found by primary key whatever Postgres believes about how many are pending.
 /// Written as two IS NULLs, statistics taken while none were pending (a vacuum of an idle
@@ -175,7 +194,7 @@ pub const MARK: &str = "UPDATE outbox_events e SET dispatched_at = now(), seq = 
 /// Marks acked rows dispatched, writing the number each was published with (the claim
 /// kept it with the row's key until now). Only [`Acked`] values (broker confirmations
 /// without a return) can be passed. Returns how many rows changed.
-pub async fn mark_dispatched<'a>(
+pub(crate) async fn mark_dispatched<'a>(
     pool: &Pool,
     acked: impl Iterator<Item = &'a Acked>,
 ) -> Result<u64, DbError> {
@@ -187,7 +206,7 @@ pub async fn mark_dispatched<'a>(
 
 /// How a failed attempt counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FailureKind {
+pub(crate) enum FailureKind {
     /// Nack, confirm timeout, lost channel: retried for as long as it takes.
     Transient = 0,
     /// Returned unroutable: parked once attempts reach `--max-attempts`.
@@ -198,15 +217,15 @@ pub enum FailureKind {
 
 /// One failed attempt to record.
 #[derive(Clone, Debug)]
-pub struct Failure {
-    pub id: i64,
-    pub kind: FailureKind,
-    pub reason: String,
+pub(crate) struct Failure {
+    pub(crate) id: i64,
+    pub(crate) kind: FailureKind,
+    pub(crate) reason: String,
 }
 
 /// What the database recorded for a failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Recorded {
+pub(crate) enum Recorded {
     /// Still pending, with this many attempts so far.
     Pending { attempts: i32 },
     /// Parked now.
@@ -220,7 +239,7 @@ const RECORD_FAILURES: &str =
 
 /// Records failed attempts (attempts + 1, last_error) and parks rows that reached their
 /// limit. Returns, per input row, what was recorded.
-pub async fn record_failures(
+pub(crate) async fn record_failures(
     pool: &Pool,
     failures: &[Failure],
     max_attempts: i32,
@@ -251,37 +270,37 @@ pub async fn record_failures(
 
 /// A partition this relay holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lease {
-    pub partition: u8,
-    pub epoch: i64,
+pub(crate) struct Lease {
+    pub(crate) partition: u8,
+    pub(crate) epoch: i64,
 }
 
 /// What a lease round returned.
 #[derive(Clone, Debug, Default)]
-pub struct LeaseRound {
-    pub held: Vec<Lease>,
-    pub fair_share: usize,
-    pub relays_alive: usize,
+pub(crate) struct LeaseRound {
+    pub(crate) held: Vec<Lease>,
+    pub(crate) fair_share: usize,
+    pub(crate) relays_alive: usize,
 }
 
 /// Arguments of one lease round.
 #[derive(Clone, Debug)]
-pub struct LeaseRequest<'a> {
-    pub relay_id: &'a str,
-    pub host: &'a str,
-    pub pid: i32,
-    pub lease_secs: f64,
-    pub release: Vec<i32>,
-    pub acquire: bool,
-    pub wants_wakeup: bool,
+pub(crate) struct LeaseRequest<'a> {
+    pub(crate) relay_id: &'a str,
+    pub(crate) host: &'a str,
+    pub(crate) pid: i32,
+    pub(crate) lease_secs: f64,
+    pub(crate) release: Vec<i32>,
+    pub(crate) acquire: bool,
+    pub(crate) wants_wakeup: bool,
     /// Rows published and acked since start, shown by `status`.
-    pub published: i64,
+    pub(crate) published: i64,
 }
 
 const LEASE: &str = "SELECT partition, epoch, fair_share, relays_alive FROM outbox_lease($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// Heartbeat, renew, release and acquire partitions in one round trip.
-pub async fn lease(pool: &Pool, req: &LeaseRequest<'_>) -> Result<LeaseRound, DbError> {
+pub(crate) async fn lease(pool: &Pool, req: &LeaseRequest<'_>) -> Result<LeaseRound, DbError> {
     let client = deadline(pool.get()).await?;
     let stmt = deadline(client.prepare_cached(LEASE)).await?;
     let rows = deadline(client.query(
@@ -314,7 +333,7 @@ pub async fn lease(pool: &Pool, req: &LeaseRequest<'_>) -> Result<LeaseRound, Db
 const LEAVE: &str = "SELECT outbox_leave($1)";
 
 /// Gives back every partition at a clean shutdown so others take over at once.
-pub async fn leave(pool: &Pool, relay_id: &str) -> Result<(), DbError> {
+pub(crate) async fn leave(pool: &Pool, relay_id: &str) -> Result<(), DbError> {
     let client = deadline(pool.get()).await?;
     deadline(client.execute(LEAVE, &[&relay_id])).await?;
     Ok(())
@@ -326,7 +345,7 @@ const SET_WAKEUP: &str = "SELECT outbox_set_wakeup($1, $2)";
 /// `outbox_set_wakeup` records it and publishes, for the insert trigger, until when some
 /// relay wants one (sql/0008_wakeup_hint.sql). Sent again every lease round while wanted,
 /// so the hint runs out once no live relay renews it.
-pub async fn set_wakeup(pool: &Pool, relay_id: &str, wanted: bool) -> Result<(), DbError> {
+pub(crate) async fn set_wakeup(pool: &Pool, relay_id: &str, wanted: bool) -> Result<(), DbError> {
     let client = deadline(pool.get()).await?;
     let stmt = deadline(client.prepare_cached(SET_WAKEUP)).await?;
     deadline(client.execute(&stmt, &[&relay_id, &wanted])).await?;

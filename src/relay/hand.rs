@@ -14,21 +14,24 @@
 //!   lost, key blocked) gets none of that result's rows, so a key's rows never enter the
 //!   hand with a hole before them.
 //!
-//! No IO here: the engine in `relay/mod.rs` drives it and tests drive it directly.
+//! No IO here: the engine in `relay/engine.rs` drives it and tests drive it directly.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use super::claim::ClaimedRow;
 
 /// A key: aggregate type and aggregate id.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Key {
+    /// The row's `aggregate_type`.
     pub aggregate_type: String,
+    /// The row's `aggregate_id`.
     pub aggregate_id: String,
 }
 
 impl Key {
+    /// The key of a claimed row.
     pub fn of(row: &ClaimedRow) -> Key {
         Key {
             aggregate_type: row.aggregate_type.clone(),
@@ -61,23 +64,23 @@ struct KeyQueue {
 
 /// What a claim's rows did to the hand.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Added {
+pub(crate) struct Added {
     /// Rows new to the hand.
-    pub rows: usize,
+    pub(crate) rows: usize,
     /// Keys whose part of the claim was not (fully) added because a row of theirs left the
     /// hand while the claim ran: claim them again.
-    pub stopped: Vec<Key>,
+    pub(crate) stopped: Vec<Key>,
 }
 
 /// What the engine should do after a key's head settled.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Released {
+pub(crate) struct Released {
     /// The key had more rows behind the claimed prefix; a new claim pass should look.
-    pub wants_claim: bool,
+    pub(crate) wants_claim: bool,
 }
 
 #[derive(Debug, Default)]
-pub struct Hand {
+pub(crate) struct Hand {
     keys: HashMap<Key, KeyQueue>,
     ready: VecDeque<Key>,
     /// Every row id held: queued, in flight, or waiting for its final write.
@@ -102,29 +105,31 @@ struct ClaimFilter {
 }
 
 impl Hand {
-    pub fn rows(&self) -> usize {
+    pub(crate) fn rows(&self) -> usize {
         self.held.len()
     }
 
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.bytes
     }
 
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         self.in_flight
     }
 
-    pub fn awaiting_mark(&self) -> usize {
+    pub(crate) fn awaiting_mark(&self) -> usize {
         self.awaiting_mark
     }
 
-    pub fn is_held(&self, id: i64) -> bool {
+    /// Row `id` is held (only the tests ask; the claim gets all held ids at once).
+    #[cfg(test)]
+    pub(crate) fn is_held(&self, id: i64) -> bool {
         self.held.contains(&id)
     }
 
     /// A claim is about to run: remember what leaves the hand until it returns. Returns
     /// the ids held now, which the claim leaves out.
-    pub fn claim_started(&mut self) -> Vec<i64> {
+    pub(crate) fn claim_started(&mut self) -> Vec<i64> {
         self.claim_filter = Some(ClaimFilter::default());
         self.held.iter().copied().collect()
     }
@@ -132,7 +137,11 @@ impl Hand {
     /// Adds the rows a claim returned (each key's rows in publish order), skipping rows
     /// already held or that left the hand while the claim ran. Returns how many were new.
     /// `full_prefix` lists keys for which the claim returned as many rows as it could.
-    pub fn claim_returned(&mut self, rows: Vec<ClaimedRow>, full_prefix: &HashSet<Key>) -> Added {
+    pub(crate) fn claim_returned(
+        &mut self,
+        rows: Vec<ClaimedRow>,
+        full_prefix: &HashSet<Key>,
+    ) -> Added {
         let filter = self.claim_filter.take().unwrap_or_default();
         let mut added = 0;
         // Keys whose part of this result must not be added (any further).
@@ -192,7 +201,7 @@ impl Hand {
 
     /// The next row to publish whose partition `sendable` allows, marking it in flight.
     /// Keys of partitions not sendable are skipped and stay ready.
-    pub fn next_ready(&mut self, sendable: impl Fn(u8) -> bool) -> Option<&ClaimedRow> {
+    pub(crate) fn next_ready(&mut self, sendable: impl Fn(u8) -> bool) -> Option<&ClaimedRow> {
         let mut skipped = 0;
         let n = self.ready.len();
         while skipped < n {
@@ -218,7 +227,7 @@ impl Hand {
 
     /// The broker confirmed the key's head without a return: it waits for its mark, and
     /// the key's next row may go.
-    pub fn acked(&mut self, key: &Key, id: i64) -> Released {
+    pub(crate) fn acked(&mut self, key: &Key, id: i64) -> Released {
         let Some(queue) = head_in(&mut self.keys, key, id, Head::InFlight) else {
             return Released { wants_claim: false };
         };
@@ -229,7 +238,7 @@ impl Hand {
     }
 
     /// The dispatched mark committed for these rows: they leave the hand.
-    pub fn marked(&mut self, rows: impl IntoIterator<Item = (i64, usize)>) {
+    pub(crate) fn marked(&mut self, rows: impl IntoIterator<Item = (i64, usize)>) {
         for (id, bytes) in rows {
             if self.held.remove(&id) {
                 self.awaiting_mark -= 1;
@@ -246,7 +255,7 @@ impl Hand {
     }
 
     /// The key's head failed to publish; the engine records the failure.
-    pub fn failed(&mut self, key: &Key, id: i64) {
+    pub(crate) fn failed(&mut self, key: &Key, id: i64) {
         if let Some(queue) = head_in(&mut self.keys, key, id, Head::InFlight) {
             self.in_flight -= 1;
             queue.head = Head::Recording;
@@ -254,19 +263,19 @@ impl Hand {
     }
 
     /// The key's head is to be parked without being published (too large, bad header).
-    pub fn refuse(&mut self, key: &Key, id: i64) {
+    pub(crate) fn refuse(&mut self, key: &Key, id: i64) {
         self.failed(key, id);
     }
 
     /// The failure is recorded and the row will be retried when its timer fires.
-    pub fn wait_retry(&mut self, key: &Key, id: i64) {
+    pub(crate) fn wait_retry(&mut self, key: &Key, id: i64) {
         if let Some(queue) = head_in(&mut self.keys, key, id, Head::Recording) {
             queue.head = Head::Waiting;
         }
     }
 
     /// The key's retry time came: its head may be published again.
-    pub fn retry_due(&mut self, key: &Key) {
+    pub(crate) fn retry_due(&mut self, key: &Key) {
         if let Some(queue) = self.keys.get_mut(key)
             && queue.head == Head::Waiting
         {
@@ -277,7 +286,7 @@ impl Hand {
 
     /// The key's head was parked (committed). With `keep_going` the key's next row may go;
     /// otherwise the key's rows leave the hand (they wait, pending, for an operator).
-    pub fn parked(&mut self, key: &Key, id: i64, keep_going: bool) -> Released {
+    pub(crate) fn parked(&mut self, key: &Key, id: i64, keep_going: bool) -> Released {
         let Some(queue) = head_in(&mut self.keys, key, id, Head::Recording) else {
             return Released { wants_claim: false };
         };
@@ -296,7 +305,7 @@ impl Hand {
 
     /// The row is no longer ours to publish (dispatched or parked by someone else): it
     /// leaves the hand and the key goes on.
-    pub fn gone(&mut self, key: &Key, id: i64) -> Released {
+    pub(crate) fn gone(&mut self, key: &Key, id: i64) -> Released {
         self.parked(key, id, true)
     }
 
@@ -352,7 +361,7 @@ impl Hand {
     }
 
     /// The partition's lease was lost: drop its rows that are not in flight.
-    pub fn drop_partition(&mut self, partition: u8) -> usize {
+    pub(crate) fn drop_partition(&mut self, partition: u8) -> usize {
         let keys: Vec<Key> = self
             .keys
             .iter()
@@ -367,14 +376,14 @@ impl Hand {
     }
 
     /// Rows in flight or waiting for a database write in this partition.
-    pub fn busy_in_partition(&self, partition: u8) -> bool {
+    pub(crate) fn busy_in_partition(&self, partition: u8) -> bool {
         self.keys
             .values()
             .any(|q| q.partition == partition && matches!(q.head, Head::InFlight | Head::Recording))
     }
 
     /// Every row currently in flight (for a lost AMQP session): `(key, id)`.
-    pub fn in_flight_rows(&self) -> Vec<(Key, i64)> {
+    pub(crate) fn in_flight_rows(&self) -> Vec<(Key, i64)> {
         self.keys
             .iter()
             .filter(|(_, q)| q.head == Head::InFlight)
@@ -383,7 +392,7 @@ impl Hand {
     }
 
     /// The key's head row, if it is `id`.
-    pub fn head(&self, key: &Key, id: i64) -> Option<&ClaimedRow> {
+    pub(crate) fn head(&self, key: &Key, id: i64) -> Option<&ClaimedRow> {
         self.keys
             .get(key)
             .and_then(|q| q.rows.front())
@@ -391,7 +400,7 @@ impl Hand {
     }
 
     /// When a key's retry is due: the earliest time its head may go again.
-    pub fn retry_at(
+    pub(crate) fn retry_at(
         attempts: i32,
         min: std::time::Duration,
         max: std::time::Duration,
@@ -415,210 +424,4 @@ fn head_in<'a>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn row(id: i64, key: &str, seq: i64) -> ClaimedRow {
-        ClaimedRow::for_test(id, "order", key, seq)
-    }
-
-    fn none() -> HashSet<Key> {
-        HashSet::new()
-    }
-
-    fn key(k: &str) -> Key {
-        Key {
-            aggregate_type: "order".into(),
-            aggregate_id: k.into(),
-        }
-    }
-
-    #[test]
-    fn one_message_per_key_in_flight() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        assert_eq!(
-            hand.claim_returned(
-                vec![row(1, "a", 1), row(2, "a", 2), row(3, "b", 1)],
-                &none()
-            )
-            .rows,
-            3
-        );
-        let first = hand.next_ready(|_| true).unwrap().id;
-        let second = hand.next_ready(|_| true).unwrap().id;
-        assert_eq!((first, second), (1, 3));
-        assert!(
-            hand.next_ready(|_| true).is_none(),
-            "a's second row must wait for the first"
-        );
-        hand.acked(&key("a"), 1);
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 2);
-    }
-
-    #[test]
-    fn held_rows_are_not_added_twice_and_marked_rows_leave() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        hand.claim_returned(vec![row(1, "a", 1)], &none());
-        hand.next_ready(|_| true);
-        hand.acked(&key("a"), 1);
-        hand.claim_started();
-        // The mark commits while the claim runs: the claim's snapshot may still see row 1.
-        hand.marked([(1, 0)]);
-        assert_eq!(
-            hand.claim_returned(vec![row(1, "a", 1), row(2, "a", 2)], &none())
-                .rows,
-            1
-        );
-        assert_eq!(hand.rows(), 1);
-    }
-
-    /// A claim runs while the partition's lease lapses and comes back: the rows dropped
-    /// meanwhile must not leave a hole for the key's later rows to jump through.
-    #[test]
-    fn rows_dropped_during_a_claim_stop_their_key() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        hand.claim_returned(vec![row(5, "a", 5)], &none());
-        hand.claim_started();
-        hand.drop_partition(0); // lease lapsed locally
-        // The claim's snapshot still shows row 5 pending, and row 6 behind it.
-        let added = hand.claim_returned(
-            vec![row(5, "a", 5), row(6, "a", 6), row(7, "b", 1)],
-            &none(),
-        );
-        assert_eq!(added.rows, 1);
-        assert_eq!(added.stopped, vec![key("a")], "key a is asked for again");
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 7);
-        assert!(
-            hand.next_ready(|_| true).is_none(),
-            "nothing of key a before row 5 is back"
-        );
-        hand.claim_started();
-        assert_eq!(
-            hand.claim_returned(vec![row(5, "a", 5), row(6, "a", 6)], &none())
-                .rows,
-            2
-        );
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 5);
-    }
-
-    /// The claim leaves out the rows held when it starts. If one of them is dropped while
-    /// it runs, the result cannot show it, only the rows behind it: the key must still
-    /// stop, not take row 6 with row 5 missing before it.
-    #[test]
-    fn a_key_dropped_during_a_claim_that_left_its_held_rows_out_stops() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        hand.claim_returned(vec![row(5, "a", 5), row(8, "c", 1)], &none());
-        let mut held = hand.claim_started();
-        held.sort_unstable();
-        assert_eq!(held, vec![5, 8], "the claim is told what the hand holds");
-        hand.drop_partition(0);
-        let added = hand.claim_returned(vec![row(6, "a", 6), row(7, "b", 1)], &none());
-        assert_eq!(added.rows, 1);
-        assert_eq!(added.stopped, vec![key("a")]);
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 7);
-        assert!(hand.next_ready(|_| true).is_none());
-    }
-
-    /// A failure recorded for an attempt of a key that was dropped and claimed again must
-    /// not touch the head now in flight.
-    #[test]
-    fn late_results_do_not_move_a_head_in_another_state() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        hand.claim_returned(vec![row(5, "a", 5)], &none());
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 5);
-        hand.failed(&key("a"), 5);
-        hand.wait_retry(&key("a"), 5);
-        hand.retry_due(&key("a"));
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 5); // in flight again
-        hand.wait_retry(&key("a"), 5); // a stale result: ignored
-        hand.parked(&key("a"), 5, true); // likewise
-        assert_eq!(hand.in_flight(), 1);
-        assert!(hand.is_held(5));
-        hand.acked(&key("a"), 5);
-        assert_eq!(hand.in_flight(), 0);
-        assert_eq!(hand.awaiting_mark(), 1);
-    }
-
-    #[test]
-    fn a_row_numbered_before_a_held_one_is_not_added() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        hand.claim_returned(vec![row(6, "a", 6)], &none());
-        hand.claim_started();
-        assert_eq!(hand.claim_returned(vec![row(5, "a", 5)], &none()).rows, 0);
-    }
-
-    #[test]
-    fn a_failed_head_holds_its_key_until_retry() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        hand.claim_returned(
-            vec![row(1, "a", 1), row(2, "a", 2), row(3, "b", 1)],
-            &none(),
-        );
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 1);
-        hand.failed(&key("a"), 1);
-        hand.wait_retry(&key("a"), 1);
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 3, "other keys go on");
-        assert!(hand.next_ready(|_| true).is_none());
-        hand.retry_due(&key("a"));
-        assert_eq!(
-            hand.next_ready(|_| true).unwrap().id,
-            1,
-            "the same row again, before row 2"
-        );
-    }
-
-    #[test]
-    fn parking_continues_or_blocks_the_key() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        hand.claim_returned(
-            vec![
-                row(1, "a", 1),
-                row(2, "a", 2),
-                row(3, "b", 1),
-                row(4, "b", 2),
-            ],
-            &none(),
-        );
-        hand.next_ready(|_| true);
-        hand.next_ready(|_| true);
-        hand.failed(&key("a"), 1);
-        hand.parked(&key("a"), 1, true);
-        assert_eq!(hand.next_ready(|_| true).unwrap().id, 2);
-        hand.failed(&key("b"), 3);
-        hand.parked(&key("b"), 3, false);
-        assert!(!hand.is_held(4), "block-key drops the key's later rows");
-        assert!(hand.next_ready(|_| true).is_none());
-    }
-
-    #[test]
-    fn partitions_not_sendable_are_skipped() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        let mut r = row(1, "a", 1);
-        r.partition = 7;
-        hand.claim_returned(vec![r, row(2, "b", 1)], &none());
-        assert_eq!(hand.next_ready(|p| p != 7).unwrap().id, 2);
-        assert!(hand.next_ready(|p| p != 7).is_none());
-        assert_eq!(hand.drop_partition(7), 1);
-        assert_eq!(hand.rows(), 1);
-    }
-
-    #[test]
-    fn a_drained_full_prefix_asks_for_a_claim() {
-        let mut hand = Hand::default();
-        hand.claim_started();
-        let mut full = HashSet::new();
-        full.insert(key("a"));
-        hand.claim_returned(vec![row(1, "a", 1)], &full);
-        hand.next_ready(|_| true);
-        assert_eq!(hand.acked(&key("a"), 1), Released { wants_claim: true });
-    }
-}
+mod tests;

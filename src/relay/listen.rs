@@ -21,7 +21,7 @@ use crate::telemetry::Telemetry;
 
 /// What the listener tells the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ListenEvent {
+pub(crate) enum ListenEvent {
     /// LISTEN is in place (again): poll now to catch up.
     Connected,
     /// A producer committed rows.
@@ -33,7 +33,7 @@ pub enum ListenEvent {
 const LIVENESS_CHECK: Duration = Duration::from_secs(15);
 
 /// Runs until `shutdown`, reconnecting with backoff.
-pub async fn run(
+pub(crate) async fn run(
     db: DbTarget,
     schema: Schema,
     events: mpsc::Sender<ListenEvent>,

@@ -72,7 +72,12 @@ pub async fn sweep(
 }
 
 /// Sweeps every `retention / 10` (between 1 s and 1 min) until `shutdown`.
-pub async fn run(pool: Pool, retention: Duration, tel: Telemetry, shutdown: CancellationToken) {
+pub(crate) async fn run(
+    pool: Pool,
+    retention: Duration,
+    tel: Telemetry,
+    shutdown: CancellationToken,
+) {
     let every = (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60));
     let mut down = Down::new("retention");
     loop {
