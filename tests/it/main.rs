@@ -16,3 +16,4 @@ mod relay_core;
 mod relay_faults;
 mod roles;
 mod scale_out;
+mod schema_file;
