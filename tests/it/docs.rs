@@ -1,36 +1,346 @@
-//! Docs match the code: every flag and environment variable of every command's `--help`
-//! is documented in README.md.
+//! Docs match the code. Every flag and environment variable of every command's `--help` is
+//! documented, and a flag whose help shows `[default: X]` has a line in its command's section
+//! of the docs that states X; the docs' rule for zero durations is what the binary does; every
+//! relative link in README.md, BENCHMARKS.md and docs/*.md points to a file (and heading) that
+//! exists.
+//!
+//! Where each command's flags are documented is [`SECTIONS`]: a heading in a file under docs/.
+//! Flags a command shares with `run` (`--database-url`, `--schema`, `--log-format`) may be
+//! documented once, in the `run` section.
 
-use crate::support::process::run_to_end;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
 
+use crate::support::process::{binary, run_to_end};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// Each command, the file documenting its flags and the heading of that section.
+const SECTIONS: &[(&[&str], &str, &str)] = &[
+    (&["run"], "docs/running.md", "## Flags of `run`"),
+    (
+        &["migrate"],
+        "docs/running.md",
+        "## `outbox-relay run` and `migrate`",
+    ),
+    (&["status"], "docs/operating.md", "## Operator commands"),
+    (
+        &["parked", "list"],
+        "docs/operating.md",
+        "## Operator commands",
+    ),
+    (&["redrive"], "docs/operating.md", "## Operator commands"),
+    (&["reconcile"], "docs/consumer-kit.md", "## The reconciler"),
+    (
+        &["demo"],
+        "docs/running.md",
+        "## Try it: `outbox-relay demo`",
+    ),
+];
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(Path::new(ROOT).join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// README.md, BENCHMARKS.md and every docs/*.md (the pages users read), relative to the root.
+fn doc_pages() -> Vec<String> {
+    let mut pages = vec!["README.md".to_owned(), "BENCHMARKS.md".to_owned()];
+    let mut docs: Vec<String> = std::fs::read_dir(Path::new(ROOT).join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".md"))
+        .map(|n| format!("docs/{n}"))
+        .collect();
+    docs.sort();
+    pages.extend(docs);
+    pages
+}
+
+/// Lines outside fenced code blocks, with their heading level (0 for a non-heading).
+fn headings(text: &str) -> Vec<(usize, &str)> {
+    let mut fence = false;
+    text.lines()
+        .map(|line| {
+            if line.starts_with("```") {
+                fence = !fence;
+                return (0, line);
+            }
+            let level = line.chars().take_while(|&c| c == '#').count();
+            let heading = !fence && level > 0 && line[level..].starts_with(' ');
+            (if heading { level } else { 0 }, line)
+        })
+        .collect()
+}
+
+/// The lines of the section under `heading`, up to the next heading of its level or higher.
+fn section<'a>(text: &'a str, heading: &str) -> Vec<&'a str> {
+    let lines = headings(text);
+    let start = lines
+        .iter()
+        .position(|(level, line)| *level > 0 && *line == heading)
+        .unwrap_or_else(|| panic!("no heading {heading:?}"));
+    let level = lines[start].0;
+    lines[start + 1..]
+        .iter()
+        .take_while(|(l, _)| *l == 0 || *l > level)
+        .map(|(_, line)| *line)
+        .collect()
+}
+
+/// Whether `needle` occurs in `line` as a whole token (not inside a longer flag or number).
+fn has_token(line: &str, needle: &str) -> bool {
+    let inner = |c: char| c.is_alphanumeric() || matches!(c, '-' | '_' | '.' | '/' | '%' | ':');
+    line.match_indices(needle).any(|(i, _)| {
+        let before = line[..i].chars().next_back();
+        let after = line[i + needle.len()..].chars().next();
+        !before.is_some_and(inner) && !after.is_some_and(inner)
+    })
+}
+
+/// One option of a `--help` text: the long flag and its `[default: X]`, if it shows one.
+struct HelpFlag {
+    flag: String,
+    default: Option<String>,
+}
+
+fn help_flags(help: &str) -> Vec<HelpFlag> {
+    let mut flags: Vec<(String, String)> = Vec::new();
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        let starts_option = trimmed.starts_with("--")
+            || (trimmed.starts_with('-') && trimmed.get(2..4) == Some(", "));
+        if starts_option {
+            let flag = trimmed
+                .split([' ', ','])
+                .find(|w| w.starts_with("--"))
+                .unwrap()
+                .to_owned();
+            flags.push((flag, trimmed.to_owned()));
+        } else if let Some((_, text)) = flags.last_mut() {
+            text.push(' ');
+            text.push_str(trimmed);
+        }
+    }
+    flags
+        .into_iter()
+        .filter(|(flag, _)| flag != "--help")
+        .map(|(flag, text)| {
+            let default = text
+                .split_once("[default: ")
+                .map(|(_, rest)| rest.split_once(']').expect("closing bracket").0.to_owned());
+            HelpFlag { flag, default }
+        })
+        .collect()
+}
+
+/// What `lines` say about `flag`'s default: `None` if no table row is about the flag and no
+/// line mentioning it states `default` (the section leaves it to another one).
+fn states_default(lines: &[&str], flag: &str, default: &str) -> Option<bool> {
+    let states = |line: &&str| has_token(line, default);
+    let rows: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.starts_with('|'))
+        .filter(|l| {
+            l.split('|')
+                .nth(1)
+                .is_some_and(|cell| has_token(cell, flag))
+        })
+        .copied()
+        .collect();
+    if !rows.is_empty() {
+        return Some(rows.iter().any(states));
+    }
+    lines
+        .iter()
+        .filter(|l| has_token(l, flag))
+        .any(states)
+        .then_some(true)
+}
+
+async fn help(command: &[&str]) -> String {
+    let mut args = command.to_vec();
+    args.push("--help");
+    let (code, help, _) = run_to_end(&args, &[]).await;
+    assert_eq!(code, 0, "{args:?}");
+    help
+}
+
+/// Every flag of every command is in its section (or `run`'s), with the default `--help`
+/// shows; every environment variable `--help` names is somewhere in the docs.
 #[tokio::test]
 async fn readme_documents_every_flag() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let mut missing = Vec::new();
-    for command in [
-        &["run"][..],
-        &["migrate"],
-        &["status"],
-        &["parked", "list"],
-        &["redrive"],
-        &["reconcile"],
-        &["demo"],
-    ] {
-        let mut args = command.to_vec();
-        args.push("--help");
-        let (code, help, _) = run_to_end(&args, &[]).await;
-        assert_eq!(code, 0, "{args:?}");
+    let all_docs: String = doc_pages().iter().map(|p| read(p)).collect();
+    let run_text = read(SECTIONS[0].1);
+    let run_section = section(&run_text, SECTIONS[0].2);
+    let mut wrong = Vec::new();
+    for &(command, file, heading) in SECTIONS {
+        let help = help(command).await;
+        let name = command.join(" ");
+        let text = read(file);
+        let own = section(&text, heading);
+        for HelpFlag { flag, default } in help_flags(&help) {
+            let mentioned = |lines: &[&str]| lines.iter().any(|l| has_token(l, &flag));
+            if !mentioned(&own) && !mentioned(&run_section) {
+                wrong.push(format!("{name}: {flag} is not in {file} {heading:?}"));
+                continue;
+            }
+            let Some(default) = default else { continue };
+            let stated = states_default(&own, &flag, &default)
+                .or_else(|| states_default(&run_section, &flag, &default));
+            if stated != Some(true) {
+                wrong.push(format!(
+                    "{name}: {flag} defaults to {default:?}, which its line in {file} {heading:?} does not say"
+                ));
+            }
+        }
         for word in help.split(|c: char| c.is_whitespace() || c == '[' || c == ']' || c == ',') {
             let word = word.trim_matches(['=', ':', '(', ')', '.']);
-            let flag = word.starts_with("--") && word.len() > 2 && word != "--help";
             let env = word.chars().all(|c| c.is_ascii_uppercase() || c == '_')
                 && word.len() > 3
                 && word.contains('_');
-            if (flag || env) && !readme.contains(word) {
-                missing.push(format!("{}: {word}", command.join(" ")));
+            if env && !all_docs.contains(word) {
+                wrong.push(format!(
+                    "{name}: environment variable {word} is not documented"
+                ));
             }
         }
     }
-    assert!(missing.is_empty(), "README does not document: {missing:?}");
+    assert!(
+        wrong.is_empty(),
+        "docs disagree with --help:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// The docs say durations must be longer than zero; the binary refuses `0s` for every
+/// duration flag of `run` (exit 2 naming the flag), and no row of the flags table claims
+/// that `0s` does something else.
+#[tokio::test]
+async fn zero_durations_are_refused_as_documented() {
+    let text = read("docs/running.md");
+    let flags_section = section(&text, SECTIONS[0].2);
+    assert!(
+        text.contains("must be longer than zero"),
+        "docs/running.md no longer states the zero-duration rule"
+    );
+    for row in flags_section.iter().filter(|l| l.starts_with('|')) {
+        if row.contains("`0s`") {
+            assert!(row.contains("refused"), "a row says 0s is accepted: {row}");
+        }
+    }
+    let is_duration = |d: &str| {
+        d.starts_with(|c: char| c.is_ascii_digit())
+            && ["ms", "s", "m", "h", "d"].iter().any(|u| d.ends_with(u))
+    };
+    let durations: Vec<String> = help_flags(&help(&["run"]).await)
+        .into_iter()
+        .filter(|f| f.default.as_deref().is_some_and(is_duration))
+        .map(|f| f.flag)
+        .collect();
+    assert!(
+        durations.iter().any(|f| f == "--late-commit-window"),
+        "{durations:?}"
+    );
+    for flag in durations {
+        // An accepted 0s would start the relay against a port nothing listens on, retrying
+        // forever: the timeout turns that into a failure.
+        let child = tokio::process::Command::new(binary())
+            .args(["run", "--no-migrate", "--http-listen", "off"])
+            .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
+            .args([flag.as_str(), "0s"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("{flag} 0s was accepted: the relay started"))
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} 0s: {err}");
+        assert!(
+            err.contains(&flag) && err.contains("longer than zero"),
+            "{flag} 0s: {err}"
+        );
+    }
+}
+
+/// GitHub's anchor for a heading: lowercase, punctuation dropped, spaces as dashes.
+fn slug(heading: &str) -> String {
+    heading
+        .trim_start_matches('#')
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_'))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+fn anchors(text: &str) -> Vec<String> {
+    headings(text)
+        .into_iter()
+        .filter(|(level, _)| *level > 0)
+        .map(|(_, line)| slug(line))
+        .collect()
+}
+
+/// Relative links (`[text](target)`) outside code blocks.
+fn links(text: &str) -> Vec<String> {
+    let mut fence = false;
+    let mut found = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fence = !fence;
+        }
+        if fence {
+            continue;
+        }
+        for (i, _) in line.match_indices("](") {
+            let rest = &line[i + 2..];
+            if let Some(end) = rest.find(')') {
+                found.push(rest[..end].to_owned());
+            }
+        }
+    }
+    found
+        .into_iter()
+        .filter(|l| !l.contains("://") && !l.starts_with("mailto:"))
+        .collect()
+}
+
+/// Every relative link of the user-facing pages names a file that exists and, with a
+/// `#fragment` into a Markdown file, a heading it has.
+#[test]
+fn every_relative_link_resolves() {
+    let mut broken = Vec::new();
+    for page in doc_pages() {
+        let text = read(&page);
+        let dir = Path::new(&page).parent().unwrap().to_owned();
+        for link in links(&text) {
+            let (path, fragment) = match link.split_once('#') {
+                Some((p, f)) => (p, Some(f)),
+                None => (link.as_str(), None),
+            };
+            let target: PathBuf = if path.is_empty() {
+                PathBuf::from(&page)
+            } else {
+                dir.join(path)
+            };
+            let full = Path::new(ROOT).join(&target);
+            if !full.exists() {
+                broken.push(format!("{page}: {link} (no file {})", target.display()));
+                continue;
+            }
+            if let Some(fragment) = fragment.filter(|_| target.extension() == Some("md".as_ref())) {
+                let target_text = std::fs::read_to_string(&full).unwrap();
+                if !anchors(&target_text).iter().any(|a| a == fragment) {
+                    broken.push(format!("{page}: {link} (no heading #{fragment})"));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
