@@ -14,5 +14,6 @@ mod notifications;
 mod operability;
 mod relay_core;
 mod relay_faults;
+mod relay_state;
 mod roles;
 mod scale_out;
