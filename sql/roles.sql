@@ -134,9 +134,9 @@ GRANT INSERT (event_id, aggregate_type, aggregate_id, event_type, payload, heade
 -- `INSERT ... RETURNING event_id` and outbox_enqueue (which returns the new event_id) need
 -- to read that one column. No other column: a producer cannot read payloads, keys or state.
 GRANT SELECT (event_id) ON :"schema".outbox_events TO :"producer_role";
--- The insert trigger (outbox_wakeup) runs as the producer and asks whether an idle relay
--- wants a NOTIFY: these three columns of the relays' heartbeat table.
-GRANT SELECT (wants_wakeup, heartbeat_at, lease_secs) ON :"schema".outbox_relays TO :"producer_role";
+-- Nothing of outbox_relays: the insert trigger reads the wake-up hint from the sequence
+-- outbox_wakeup (migration 0008), which every role may read. (The REVOKE above takes back
+-- the column grants an earlier version of this file made.)
 
 ---------------------------------------------------------------------------------------------
 -- Consumer kit (0003): inbox, ordered keys, gaps, effects ledger, budgets. The handler's

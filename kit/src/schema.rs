@@ -63,6 +63,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0008_wakeup_hint.sql",
         sql: include_str!("../../sql/0008_wakeup_hint.sql"),
     },
+    Migration {
+        version: 9,
+        name: "0009_fenced_failures.sql",
+        sql: include_str!("../../sql/0009_fenced_failures.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

@@ -15,6 +15,7 @@ mod notifications;
 mod operability;
 mod relay_core;
 mod relay_faults;
+mod relay_state;
 mod roles;
 mod scale_out;
 mod schema_file;
