@@ -22,6 +22,11 @@ pub type PgConnection = Connection<Socket, <MakeRustlsConnect as MakeTlsConnect<
 
 /// How long any single database round trip may take before we give up on it.
 const DB_TIMEOUT: Duration = Duration::from_secs(30);
+/// The server stops a statement this long after it started: before [`DB_TIMEOUT`], so a
+/// statement whose client gave up never runs on and commits behind its back (the client
+/// would retry a write that did happen). A connection string that sets its own
+/// statement_timeout in `options` keeps it.
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(25);
 
 /// Where the database is. Debug output never shows the password.
 #[derive(Clone)]
@@ -137,7 +142,8 @@ impl DbTarget {
     }
 
     /// The tokio-postgres configuration with our session settings: search_path set to the
-    /// outbox schema, an application_name operators can find, and connect/keepalive limits.
+    /// outbox schema, a statement_timeout under the client's deadline, an application_name
+    /// operators can find, and connect/keepalive limits.
     fn session_config(&self, schema: &Schema, application_name: &str) -> tokio_postgres::Config {
         let mut config = self.config.clone();
         if config.get_application_name().is_none() {
@@ -148,10 +154,18 @@ impl DbTarget {
         }
         config.keepalives(true);
         config.keepalives_idle(Duration::from_secs(30));
-        let search_path = format!("-c search_path={schema}");
-        let options = match config.get_options() {
-            Some(existing) if !existing.is_empty() => format!("{existing} {search_path}"),
-            _ => search_path,
+        let mut ours = format!("-c search_path={schema}");
+        let existing = config.get_options().unwrap_or_default();
+        if !existing.contains("statement_timeout") {
+            ours = format!(
+                "{ours} -c statement_timeout={}",
+                STATEMENT_TIMEOUT.as_millis()
+            );
+        }
+        let options = if existing.is_empty() {
+            ours
+        } else {
+            format!("{existing} {ours}")
         };
         config.options(&options);
         config

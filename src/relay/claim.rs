@@ -228,41 +228,56 @@ pub(crate) struct Failure {
 pub(crate) enum Recorded {
     /// Still pending, with this many attempts so far.
     Pending { attempts: i32 },
-    /// Parked now.
+    /// Parked: now, or by an earlier try of this same write whose answer was lost.
     Parked,
-    /// The row had already reached a final state (dispatched or parked).
+    /// Not ours to decide about any more: dispatched, gone, or its partition is no longer
+    /// this relay's at the epoch it holds (the write was fenced and changed nothing).
     Gone,
 }
 
-const RECORD_FAILURES: &str =
-    "SELECT id, attempts, parked FROM outbox_record_failures($1, $2, $3, $4, $5)";
+const RECORD_FAILURES: &str = "SELECT id, attempts, parked, outcome
+  FROM outbox_record_failures($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// Records failed attempts (attempts + 1, last_error) and parks rows that reached their
-/// limit. Returns, per input row, what was recorded.
+/// limit, only for rows of partitions `relay` holds at the epochs in `leases` (pairs of
+/// partition and epoch). Returns, per input row, what the database says about it.
 pub(crate) async fn record_failures(
     pool: &Pool,
     failures: &[Failure],
     max_attempts: i32,
     block_key: bool,
+    relay: &str,
+    leases: &(Vec<i32>, Vec<i64>),
 ) -> Result<Vec<(i64, Recorded)>, DbError> {
     let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
     let reasons: Vec<&str> = failures.iter().map(|f| f.reason.as_str()).collect();
     let kinds: Vec<i16> = failures.iter().map(|f| f.kind as i16).collect();
     let client = deadline(pool.get()).await?;
     let stmt = deadline(client.prepare_cached(RECORD_FAILURES)).await?;
-    let rows =
-        deadline(client.query(&stmt, &[&ids, &reasons, &kinds, &max_attempts, &block_key])).await?;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
+        &ids,
+        &reasons,
+        &kinds,
+        &max_attempts,
+        &block_key,
+        &relay,
+        &leases.0,
+        &leases.1,
+    ];
+    let rows = deadline(client.query(&stmt, &params)).await?;
     let mut out: Vec<(i64, Recorded)> = ids.iter().map(|id| (*id, Recorded::Gone)).collect();
     for row in rows {
         let id: i64 = row.get(0);
         let attempts: i32 = row.get(1);
         let parked: bool = row.get(2);
+        let outcome: &str = row.get(3);
+        let recorded = match (outcome, parked) {
+            ("recorded", false) => Recorded::Pending { attempts },
+            ("recorded", true) | ("parked", _) => Recorded::Parked,
+            _ => Recorded::Gone, // dispatched, fenced, gone
+        };
         if let Some(slot) = out.iter_mut().find(|(i, _)| *i == id) {
-            slot.1 = if parked {
-                Recorded::Parked
-            } else {
-                Recorded::Pending { attempts }
-            };
+            slot.1 = recorded;
         }
     }
     Ok(out)

@@ -253,10 +253,14 @@ impl Engine {
             let pool = self.deps.pool.clone();
             let max = self.cfg.max_attempts.get().min(i32::MAX as u32) as i32;
             let block_key = self.cfg.on_park == OnPark::BlockKey;
+            let relay = self.id.relay_id.clone();
+            let leases = self.leases.epochs();
             self.ops.push(
                 async move {
                     let failures: Vec<Failure> = batch.iter().map(|(_, f)| f.clone()).collect();
-                    let result = claim::record_failures(&pool, &failures, max, block_key).await;
+                    let result =
+                        claim::record_failures(&pool, &failures, max, block_key, &relay, &leases)
+                            .await;
                     Done::Failures(batch, result)
                 }
                 .boxed(),

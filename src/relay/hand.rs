@@ -302,11 +302,14 @@ impl Hand {
             Released { wants_claim: false }
         }
     }
-
-    /// The row is no longer ours to publish (dispatched or parked by someone else): it
-    /// leaves the hand and the key goes on.
+    /// The row is no longer ours to decide about (parked by an earlier try of ours whose
+    /// answer was lost is `parked`, not this; here: dispatched or gone, or its partition is
+    /// no longer ours at our epoch): it leaves the hand, and so do its key's other rows. They
+    /// stay pending in the database, and the next claim (if the partition is still ours)
+    /// hands them out again with the numbers the database holds; carrying the key on could
+    /// publish rows whose numbers a park elsewhere has rewound.
     pub(crate) fn gone(&mut self, key: &Key, id: i64) -> Released {
-        self.parked(key, id, true)
+        self.parked(key, id, false)
     }
 
     /// The row leaves the hand; returns whether it was held.

@@ -81,6 +81,14 @@ impl Leases {
     }
 
     /// When the first held lease runs out.
+    /// The partitions held and the epoch of each, as the database's fenced writes take them.
+    pub(crate) fn epochs(&self) -> (Vec<i32>, Vec<i64>) {
+        self.held
+            .iter()
+            .map(|(p, l)| (i32::from(*p), l.epoch))
+            .unzip()
+    }
+
     pub(crate) fn next_expiry(&self) -> Option<Instant> {
         self.held.values().map(|l| l.valid_until).min()
     }

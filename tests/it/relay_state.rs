@@ -185,3 +185,30 @@ async fn failure_writes_are_fenced_on_the_lease() {
         [(0, false, "dispatched".into())]
     );
 }
+
+/// A statement the client has given up on (its deadline is 30 s) must not run on and commit
+/// behind its back: the server stops it first. An operator's own setting wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_stop_on_the_server_before_the_client_gives_up() {
+    let db = TestDb::new().await;
+    let pool = db.target.pool(&db.schema, "it-statement-timeout", 1);
+    let client = pool.get().await.unwrap();
+    let shown: String = client
+        .query_one("SHOW statement_timeout", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(shown, "25s");
+    let own = outbox_kit::db::DbTarget::parse(&format!(
+        "{}?options=-c%20statement_timeout%3D7s",
+        db.url()
+    ))
+    .unwrap();
+    let client = own.connect(&db.schema, "it-own-timeout").await.unwrap();
+    let shown: String = client
+        .query_one("SHOW statement_timeout", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(shown, "7s");
+}

@@ -120,9 +120,8 @@ impl Engine {
                     }
                 }
                 Recorded::Gone => {
-                    if self.hand.gone(&key, failure.id).wants_claim {
-                        self.pass.continue_key(key.clone());
-                    }
+                    self.hand.gone(&key, failure.id);
+                    self.pass.want();
                 }
             }
         }

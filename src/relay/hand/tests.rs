@@ -183,6 +183,25 @@ fn parking_continues_or_blocks_the_key() {
 }
 
 #[test]
+fn a_row_that_is_gone_stops_its_key() {
+    let mut hand = Hand::default();
+    hand.claim_started();
+    hand.claim_returned(
+        vec![row(1, "a", 1), row(2, "a", 2), row(3, "b", 1)],
+        &none(),
+    );
+    assert_eq!(hand.next_ready(|_| true).unwrap().id, 1);
+    hand.failed(&key("a"), 1);
+    hand.gone(&key("a"), 1);
+    assert!(
+        !hand.is_held(2),
+        "the key's later rows wait for the next claim"
+    );
+    assert_eq!(hand.next_ready(|_| true).unwrap().id, 3, "other keys go on");
+    assert!(hand.next_ready(|_| true).is_none());
+}
+
+#[test]
 fn partitions_not_sendable_are_skipped() {
     let mut hand = Hand::default();
     hand.claim_started();
