@@ -97,7 +97,8 @@ REVOKE ALL ON TABLE
     :"schema".outbox_events, :"schema".outbox_key_seq, :"schema".outbox_partitions,
     :"schema".outbox_relays,
     :"schema".outbox_inbox, :"schema".outbox_inbox_keys, :"schema".outbox_inbox_gaps,
-    :"schema".outbox_effects, :"schema".outbox_budgets, :"schema".outbox_budget_reservations
+    :"schema".outbox_effects, :"schema".outbox_budgets, :"schema".outbox_budget_reservations,
+    :"schema".outbox_effect_strays
     FROM :"relay_role", :"producer_role", :"consumer_role";
 
 ---------------------------------------------------------------------------------------------
@@ -148,13 +149,16 @@ GRANT UPDATE (outcome, reason) ON :"schema".outbox_inbox TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_inbox_keys TO :"consumer_role";
 GRANT SELECT, INSERT ON :"schema".outbox_inbox_gaps TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_effects TO :"consumer_role";
+-- outbox_effect_stray records an item out at a destination beside a row not its own;
+-- operators mark one resolved (resolved_at) once they dealt with it.
+GRANT SELECT, INSERT, UPDATE (resolved_at) ON :"schema".outbox_effect_strays TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_budgets TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_budget_reservations TO :"consumer_role";
 
 ---------------------------------------------------------------------------------------------
 -- Functions, found by name so that any signature is covered. PUBLIC loses EXECUTE; each
--- role gets its own set. (outbox_wakeup is a trigger function: triggers fire whatever the
--- inserting role may EXECUTE, so nobody needs it.)
+-- role gets its own set. (outbox_wakeup and outbox_redrive_counter_floor are trigger
+-- functions: triggers fire whatever the writing role may EXECUTE, so nobody needs them.)
 
 CREATE TEMPORARY TABLE outbox_roles_functions (proname name, grantee text) ON COMMIT DROP;
 INSERT INTO outbox_roles_functions VALUES
@@ -182,6 +186,7 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_effect_cancel', :'consumer_role'),
     ('outbox_effect_withdrawn', :'consumer_role'),
     ('outbox_effect_withdraw_failed', :'consumer_role'),
+    ('outbox_effect_stray', :'consumer_role'),
     ('outbox_effect_stuck', :'consumer_role'),
     ('outbox_effect_resolve', :'consumer_role'),
     ('outbox_consumer_prune', :'consumer_role');

@@ -405,10 +405,10 @@ END
 $$;
 
 --
--- Name: outbox_effect_claim(text, text, double precision); Type: FUNCTION; Schema: public; Owner: -
+-- Name: outbox_effect_claim(text, text, double precision, double precision, double precision); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.outbox_effect_claim(p_effect_key text, p_worker text, p_lease_secs double precision) RETURNS TABLE(id bigint, effect_key text, destination text, payload jsonb, attempts integer, uncertain boolean, external_id text)
+CREATE FUNCTION public.outbox_effect_claim(p_effect_key text, p_worker text, p_lease_secs double precision, p_send_timeout_secs double precision, p_write_timeout_secs double precision) RETURNS TABLE(id bigint, effect_key text, destination text, payload jsonb, attempts integer, uncertain boolean, external_id text)
     LANGUAGE plpgsql
     SET search_path TO 'public'
     AS $$
@@ -416,6 +416,17 @@ CREATE FUNCTION public.outbox_effect_claim(p_effect_key text, p_worker text, p_l
 DECLARE
     v_id bigint;
 BEGIN
+    IF p_send_timeout_secs IS NULL OR p_write_timeout_secs IS NULL
+       OR p_send_timeout_secs <= 0 OR p_write_timeout_secs <= 0 THEN
+        RAISE EXCEPTION 'send and write-back timeouts must be longer than zero'
+            USING ERRCODE = '22023';
+    END IF;
+    IF p_lease_secs IS NULL OR p_lease_secs <= 2 * p_send_timeout_secs + p_write_timeout_secs THEN
+        RAISE EXCEPTION 'lease of % s is not longer than the work it guards (2 x send timeout + write timeout = % s)',
+                        p_lease_secs, 2 * p_send_timeout_secs + p_write_timeout_secs
+            USING ERRCODE = '22023',
+                  HINT = 'raise the lease or lower the timeouts';
+    END IF;
     UPDATE outbox_effects e
        SET state = 'sending', claimed_by = p_worker, claimed_at = now(),
            lease_until = now() + make_interval(secs => p_lease_secs),
@@ -447,8 +458,11 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 'missing';
     END IF;
+    IF e.state = 'sent' AND e.external_id IS NOT DISTINCT FROM p_external_id THEN
+        RETURN 'sent'; -- our own write-back, again (its answer was lost)
+    END IF;
     IF e.state <> 'sending' OR e.claimed_by IS DISTINCT FROM p_worker THEN
-        RETURN e.state;
+        RETURN 'not_ours';
     END IF;
     IF e.cancel_requested_at IS NOT NULL THEN
         UPDATE outbox_effects x SET external_id = p_external_id, updated_at = now()
@@ -579,6 +593,19 @@ BEGIN
      WHERE x.id = p_effect_id;
     RETURN 'queued';
 END
+$$;
+
+--
+-- Name: outbox_effect_stray(bigint, text, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_effect_stray(p_effect_id bigint, p_worker text, p_external_id text, p_error text) RETURNS bigint
+    LANGUAGE sql
+    SET search_path TO 'public'
+    AS $$
+    INSERT INTO outbox_effect_strays (effect_id, worker, external_id, error)
+    VALUES (p_effect_id, p_worker, p_external_id, p_error)
+    RETURNING id
 $$;
 
 --
@@ -837,14 +864,25 @@ CREATE FUNCTION public.outbox_partition_of(aggregate_type text, aggregate_id tex
     AS $$ SELECT hashtext(aggregate_type || E'\x1f' || aggregate_id) & 63 $$;
 
 --
--- Name: outbox_record_failures(bigint[], text[], smallint[], integer, boolean); Type: FUNCTION; Schema: public; Owner: -
+-- Name: outbox_record_failures(bigint[], text[], smallint[], integer, boolean, text, integer[], bigint[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.outbox_record_failures(p_ids bigint[], p_reasons text[], p_kinds smallint[], p_max_attempts integer, p_block_key boolean) RETURNS TABLE(id bigint, attempts integer, parked boolean)
-    LANGUAGE sql
+CREATE FUNCTION public.outbox_record_failures(p_ids bigint[], p_reasons text[], p_kinds smallint[], p_max_attempts integer, p_block_key boolean, p_relay text, p_partitions integer[], p_epochs bigint[]) RETURNS TABLE(id bigint, attempts integer, parked boolean, outcome text)
+    LANGUAGE plpgsql
     SET search_path TO 'public'
     AS $$
-    WITH f AS (
+#variable_conflict use_column
+BEGIN
+    -- A takeover (outbox_lease) takes this lock exclusively: it waits for this call, and
+    -- this call sees the partitions as they are after any takeover that came first.
+    PERFORM pg_advisory_xact_lock_shared(outbox_claim_lock_key());
+    RETURN QUERY
+    WITH mine AS (
+        SELECT p.partition
+          FROM outbox_partitions p, unnest(p_partitions, p_epochs) AS l(partition, epoch)
+         WHERE p.partition = l.partition AND p.epoch = l.epoch
+           AND p.owner = p_relay AND p.lease_until > clock_timestamp()
+    ), f AS (
         SELECT * FROM unnest(p_ids, p_reasons, p_kinds) AS f(id, reason, kind)
     ), u AS (
         UPDATE outbox_events e
@@ -862,6 +900,7 @@ CREATE FUNCTION public.outbox_record_failures(p_ids bigint[], p_reasons text[], 
                           ELSE e.seq END
           FROM f
          WHERE e.id = f.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND outbox_partition_of(e.aggregate_type, e.aggregate_id) IN (SELECT m.partition FROM mine m)
         RETURNING e.id, e.aggregate_type, e.aggregate_id, e.seq, e.attempts,
                   e.parked_at IS NOT NULL AS parked
     ), unnumbered AS (
@@ -887,7 +926,19 @@ CREATE FUNCTION public.outbox_record_failures(p_ids bigint[], p_reasons text[], 
            AND k.last_seq > u.seq
         RETURNING k.last_seq
     )
-    SELECT u.id, u.attempts, u.parked FROM u
+    SELECT u.id, u.attempts, u.parked, 'recorded'::text FROM u
+    UNION ALL
+    -- The ids this call did not change, as they were when it started.
+    SELECT f.id, coalesce(e.attempts, 0), coalesce(e.parked_at IS NOT NULL, false),
+           CASE WHEN e.id IS NULL THEN 'gone'
+                WHEN outbox_partition_of(e.aggregate_type, e.aggregate_id) NOT IN (SELECT m.partition FROM mine m)
+                     THEN 'fenced'
+                WHEN e.dispatched_at IS NOT NULL THEN 'dispatched'
+                WHEN e.parked_at IS NOT NULL THEN 'parked'
+                ELSE 'gone' END
+      FROM f LEFT JOIN outbox_events e ON e.id = f.id
+     WHERE NOT EXISTS (SELECT 1 FROM u WHERE u.id = f.id);
+END
 $$;
 
 --
@@ -957,25 +1008,47 @@ END
 $$;
 
 --
+-- Name: outbox_redrive_counter_floor(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_redrive_counter_floor() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+BEGIN
+    IF NEW.parked_at IS NULL AND OLD.parked_at IS NOT NULL AND NEW.seq IS NULL THEN
+        UPDATE outbox_key_seq k
+           SET last_seq = greatest(k.last_seq,
+                                   (SELECT max(o.seq) FROM outbox_events o
+                                     WHERE o.aggregate_type = NEW.aggregate_type
+                                       AND o.aggregate_id = NEW.aggregate_id
+                                       AND o.dispatched_at IS NOT NULL))
+         WHERE k.aggregate_type = NEW.aggregate_type AND k.aggregate_id = NEW.aggregate_id;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+--
 -- Name: outbox_refresh_statistics(integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
 CREATE FUNCTION public.outbox_refresh_statistics(p_seen integer) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'public'
+    SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM pg_stat_user_tables t
-                WHERE t.relid = 'outbox_events'::regclass
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_stat_user_tables t
+                WHERE t.relid = 'public.outbox_events'::regclass
                   AND greatest(t.last_analyze, t.last_autoanalyze) > now() - interval '10 seconds')
        OR (SELECT s.null_frac * c.reltuples
-             FROM pg_stats s, pg_class c
-            WHERE s.schemaname = current_schema() AND s.tablename = 'outbox_events'
-              AND s.attname = 'dispatched_at' AND c.oid = 'outbox_events'::regclass) >= p_seen
+             FROM pg_catalog.pg_stats s, pg_catalog.pg_class c
+            WHERE s.schemaname = 'public' AND s.tablename = 'outbox_events'
+              AND s.attname = 'dispatched_at' AND c.oid = 'public.outbox_events'::regclass) >= p_seen
     THEN
         RETURN false;
     END IF;
-    ANALYZE (SKIP_LOCKED) outbox_events;
+    ANALYZE (SKIP_LOCKED) public.outbox_events;
     RETURN true;
 END;
 $$;
@@ -1055,6 +1128,33 @@ CREATE TABLE public.outbox_budgets (
     remaining bigint NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT outbox_budgets_remaining_check CHECK ((remaining >= 0))
+);
+
+--
+-- Name: outbox_effect_strays; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_effect_strays (
+    id bigint NOT NULL,
+    effect_id bigint NOT NULL,
+    worker text NOT NULL,
+    external_id text NOT NULL,
+    error text NOT NULL,
+    recorded_at timestamp with time zone DEFAULT now() NOT NULL,
+    resolved_at timestamp with time zone
+);
+
+--
+-- Name: outbox_effect_strays_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+ALTER TABLE public.outbox_effect_strays ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME public.outbox_effect_strays_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
 );
 
 --
@@ -1274,6 +1374,13 @@ ALTER TABLE ONLY public.outbox_budgets
     ADD CONSTRAINT outbox_budgets_pkey PRIMARY KEY (tenant, quota_key);
 
 --
+-- Name: outbox_effect_strays outbox_effect_strays_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_effect_strays
+    ADD CONSTRAINT outbox_effect_strays_pkey PRIMARY KEY (id);
+
+--
 -- Name: outbox_effects outbox_effects_key; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -1357,6 +1464,12 @@ ALTER TABLE ONLY public.outbox_schema_migrations
 CREATE INDEX outbox_budget_reservations_budget ON public.outbox_budget_reservations USING btree (tenant, quota_key) WHERE (state = 'held'::text);
 
 --
+-- Name: outbox_effect_strays_open; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX outbox_effect_strays_open ON public.outbox_effect_strays USING btree (effect_id) WHERE (resolved_at IS NULL);
+
+--
 -- Name: outbox_effects_finished; Type: INDEX; Schema: public; Owner: -
 --
 
@@ -1399,6 +1512,12 @@ CREATE INDEX outbox_events_pending_key ON public.outbox_events USING btree (aggr
 CREATE INDEX outbox_inbox_handled ON public.outbox_inbox USING btree (handled_at);
 
 --
+-- Name: outbox_events outbox_events_redrive_floor; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER outbox_events_redrive_floor AFTER UPDATE OF parked_at ON public.outbox_events FOR EACH ROW WHEN (((old.parked_at IS NOT NULL) AND (new.parked_at IS NULL))) EXECUTE FUNCTION public.outbox_redrive_counter_floor();
+
+--
 -- Name: outbox_events outbox_events_wakeup; Type: TRIGGER; Schema: public; Owner: -
 --
 
@@ -1417,6 +1536,13 @@ ALTER TABLE ONLY public.outbox_budget_reservations
 
 ALTER TABLE ONLY public.outbox_budget_reservations
     ADD CONSTRAINT outbox_budget_reservations_tenant_quota_key_fkey FOREIGN KEY (tenant, quota_key) REFERENCES public.outbox_budgets(tenant, quota_key);
+
+--
+-- Name: outbox_effect_strays outbox_effect_strays_effect_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_effect_strays
+    ADD CONSTRAINT outbox_effect_strays_effect_id_fkey FOREIGN KEY (effect_id) REFERENCES public.outbox_effects(id) ON DELETE CASCADE;
 
 --
 -- Name: SEQUENCE outbox_wakeup; Type: ACL; Schema: public; Owner: -

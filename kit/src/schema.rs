@@ -68,6 +68,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0009_fenced_failures.sql",
         sql: include_str!("../../sql/0009_fenced_failures.sql"),
     },
+    Migration {
+        version: 10,
+        name: "0010_effects_ledger.sql",
+        sql: include_str!("../../sql/0010_effects_ledger.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

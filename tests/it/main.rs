@@ -9,6 +9,7 @@ mod dashboard;
 mod demo;
 mod deploy;
 mod docs;
+mod effects;
 mod layout;
 mod migrate;
 mod notifications;

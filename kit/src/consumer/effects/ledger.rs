@@ -22,8 +22,9 @@ use super::{
 
 const ENQUEUE: &str = "SELECT outbox_effect_enqueue($1, $2, $3, $4, $5, $6, $7)";
 const CLAIM: &str = "SELECT id, effect_key, destination, payload, attempts, uncertain, external_id
-                       FROM outbox_effect_claim($1, $2, $3)";
+                       FROM outbox_effect_claim($1, $2, $3, $4, $5)";
 const COMPLETE: &str = "SELECT outbox_effect_complete($1, $2, $3)";
+const STRAY: &str = "SELECT outbox_effect_stray($1, $2, $3, $4)";
 const FAIL: &str = "SELECT outbox_effect_fail($1, $2, $3)";
 const RETRY: &str = "SELECT outbox_effect_retry($1, $2, $3, $4)";
 const CANCEL: &str = "SELECT action, effect_id, external_id FROM outbox_effect_cancel($1)";
@@ -102,9 +103,12 @@ impl Ledger {
     /// statement. `None`: it was not queued; do not send.
     pub async fn claim(&self, client: &Client, key: &str) -> Result<Option<Claimed>, EffectError> {
         let lease = self.cfg.lease.as_secs_f64();
-        let row = deadline(client.query_opt(CLAIM, &[&key, &self.cfg.worker, &lease]))
-            .await
-            .map_err(db_or_budget)?;
+        let send = self.cfg.send_timeout.as_secs_f64();
+        let write = self.cfg.write_timeout.as_secs_f64();
+        let row =
+            deadline(client.query_opt(CLAIM, &[&key, &self.cfg.worker, &lease, &send, &write]))
+                .await
+                .map_err(db_or_budget)?;
         Ok(row.map(|r| Claimed {
             effect: Effect {
                 id: r.get(0),
@@ -208,6 +212,18 @@ impl Ledger {
                         .await;
                 }
                 Ok(None) => {} // it never arrived: sending is not blind now
+                Err(DestinationError::Terminal(reason)) => {
+                    // The lookup cannot answer, so the earlier attempt may still be out:
+                    // "failed" would invite a resend and release the budget. It stays in
+                    // doubt (sending, uncertain) for the reconciler or an operator.
+                    tracing::warn!(target: "outbox_relay", effect = effect.key, reason, "lookup of an in-doubt effect failed for good; left for review");
+                    return Err(EffectError::InDoubt {
+                        key: key.to_owned(),
+                        reason: format!(
+                            "the lookup failed ({reason}); an earlier attempt may be out"
+                        ),
+                    });
+                }
                 Err(e) => return self.not_sent(client, effect, dest, e).await,
             }
         }
@@ -290,26 +306,24 @@ impl Ledger {
                 Ok(withdraw(client, dest, effect.id, &external_id, self.cfg.send_timeout).await?)
             }
             Completion::NotOurs(state) => {
-                // Someone decided about this row while we were sending. If it already says
-                // sent with our item, all is well; otherwise our item must not stay out.
-                let row = Ledger::get(client, &effect.key).await?;
-                if let Some(r) = &row
-                    && r.state == EffectState::Sent
-                    && r.external_id.as_deref() == Some(external_id.as_str())
-                {
-                    return Ok(Performed::Sent {
-                        external_id,
-                        found_by_lookup,
-                    });
-                }
+                // Someone decided about this row while we were sending (the database says
+                // 'sent' when the row holds our own item): our item must not stay out.
                 tracing::warn!(target: "outbox_relay", effect = effect.key, state, "effect changed while we were sending it; withdrawing our item at the destination");
                 let gone = within(self.cfg.send_timeout, "delete", dest.delete(&external_id)).await;
                 match gone {
                     Ok(()) => Ok(Performed::Withdrawn { external_id }),
-                    Err(e) => Ok(Performed::StillOut {
-                        external_id,
-                        error: e.to_string(),
-                    }),
+                    Err(e) => {
+                        // The ledger row is someone else's truth; our item is recorded
+                        // beside it, so the ledger never hides an item that is out.
+                        let error = e.to_string();
+                        self.write(client.query_one(
+                            STRAY,
+                            &[&effect.id, &self.cfg.worker, &external_id, &error],
+                        ))
+                        .await?;
+                        tracing::warn!(target: "outbox_relay", effect = effect.key, error, "could not withdraw our item; recorded as a stray for review");
+                        Ok(Performed::StillOut { external_id, error })
+                    }
                 }
             }
         }
