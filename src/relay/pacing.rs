@@ -34,6 +34,10 @@ pub(crate) struct Pacing {
     listen_up: bool,
     /// A NOTIFY arrived since the last claim returned.
     notified: bool,
+    /// Rows the last claim returned that no NOTIFY had announced yet. Counted as
+    /// unannounced at the next claim unless a NOTIFY comes first: under load a commit's
+    /// NOTIFY can reach the relay after a claim that was already running found its rows.
+    unheard: usize,
     /// The flag producers should see.
     wakeup_wanted: bool,
     /// The flag as last written (`None`: unknown, or due for renewal).
@@ -51,6 +55,7 @@ impl Pacing {
             empty_since: None,
             listen_up: false,
             notified: false,
+            unheard: 0,
             wakeup_wanted: listen,
             wakeup_db: None,
             wakeup_busy: false,
@@ -65,18 +70,19 @@ impl Pacing {
     /// A NOTIFY arrived.
     pub(crate) fn notified(&mut self) {
         self.notified = true;
+        self.unheard = 0;
     }
 
-    /// A claim returned `new` rows: how many of them no NOTIFY announced although LISTEN
-    /// was up and the flag was on (then producers should have sent one).
+    /// A claim returned `new` rows. Returns how many rows no NOTIFY announced although
+    /// LISTEN was up and the flag was on (then producers should have sent one): those of the
+    /// previous claim for which no NOTIFY came even later.
     pub(crate) fn unannounced(&mut self, new: usize) -> usize {
-        let unannounced = if self.listen_up && self.wakeup_db == Some(true) && !self.notified {
-            new
-        } else {
-            0
-        };
+        let counted = std::mem::take(&mut self.unheard);
+        if self.listen_up && self.wakeup_db == Some(true) && !self.notified {
+            self.unheard = new;
+        }
         self.notified = false;
-        unannounced
+        counted
     }
 
     /// A forward claim returned `new` rows (`reached_end`: it read to the end of the
@@ -243,17 +249,22 @@ mod tests {
         assert_eq!(off.wakeup_due(true, false), None, "without --listen");
     }
 
-    /// Rows count as unannounced only when LISTEN was up, the flag on, and no NOTIFY came.
+    /// Rows count as unannounced only when LISTEN was up, the flag on, and no NOTIFY came,
+    /// not even after the claim that found them (a late NOTIFY still announces them).
     #[test]
     fn unannounced_rows() {
         let mut p = Pacing::new(true);
         assert_eq!(p.unannounced(3), 0, "listen down, flag unknown");
+        assert_eq!(p.unannounced(0), 0, "and nothing was kept for later");
         p.listen_up(true);
         p.wakeup_due(true, false);
         p.wakeup_written(true);
-        assert_eq!(p.unannounced(3), 3);
+        assert_eq!(p.unannounced(3), 0, "counted at the next claim");
+        assert_eq!(p.unannounced(0), 3, "no NOTIFY came for them");
         p.notified();
         assert_eq!(p.unannounced(3), 0);
-        assert_eq!(p.unannounced(2), 2, "the NOTIFY counted once");
+        assert_eq!(p.unannounced(2), 0, "the NOTIFY came before the claim");
+        p.notified();
+        assert_eq!(p.unannounced(0), 0, "a late NOTIFY announces them still");
     }
 }
