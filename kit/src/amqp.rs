@@ -197,6 +197,34 @@ pub async fn rpc<T>(
     }
 }
 
+/// Resolves, with the reason, when `conn` fails at the connection level (heartbeat timeout,
+/// the broker closing it) or its event stream ends. Owns what it listens to, so a session
+/// can spawn it beside its own stop signal: connection failures then end the session even
+/// while none of its channels is waiting on the broker.
+pub fn connection_lost(conn: &Connection) -> impl Future<Output = String> + Send + 'static {
+    use futures_util::StreamExt;
+    let events = conn.events_listener();
+    async move {
+        let mut events = std::pin::pin!(events);
+        loop {
+            match events.next().await {
+                Some(lapin::Event::Error(e)) => return format!("connection error: {e}"),
+                Some(_) => {}
+                None => return "connection closed".to_owned(),
+            }
+        }
+    }
+}
+
+/// Closes a connection whose channel setup failed, giving the broker 2 s to answer.
+pub async fn close_after_failed_setup(conn: &Connection) {
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        conn.close(320, "setup failed".into()),
+    )
+    .await;
+}
+
 /// An AMQP long string (the type RabbitMQ's plugins expect for text arguments and headers).
 pub fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))

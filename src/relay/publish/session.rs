@@ -11,7 +11,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::stream::StreamExt;
 use lapin::options::ConfirmSelectOptions;
 use lapin::{Connection, ExchangeKind};
 use tokio::sync::mpsc;
@@ -119,31 +118,17 @@ impl Session {
         let lanes = match setup.await {
             Ok(lanes) => lanes,
             Err(e) => {
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(2),
-                    conn.close(320, "setup failed".into()),
-                )
-                .await;
+                amqp::close_after_failed_setup(&conn).await;
                 return Err(e);
             }
         };
         // Connection-level failures (heartbeat timeout, broker closing us) end the session.
-        let events = conn.events_listener();
+        let connection_lost = amqp::connection_lost(&conn);
         let watch = lost.clone();
         tokio::spawn(async move {
-            let mut events = std::pin::pin!(events);
-            loop {
-                tokio::select! {
-                    _ = watch.raised() => return,
-                    ev = events.next() => match ev {
-                        Some(lapin::Event::Error(e)) => {
-                            watch.raise(format!("connection error: {e}"));
-                            return;
-                        }
-                        Some(_) => {}
-                        None => { watch.raise("connection closed"); return; }
-                    }
-                }
+            tokio::select! {
+                _ = watch.raised() => {}
+                why = connection_lost => watch.raise(why),
             }
         });
         Ok(Session {

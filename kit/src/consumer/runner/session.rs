@@ -106,28 +106,18 @@ impl Session {
         let (consume, publish) = match setup.await {
             Ok(v) => v,
             Err(e) => {
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(2),
-                    conn.close(320, "setup failed".into()),
-                )
-                .await;
+                amqp::close_after_failed_setup(&conn).await;
                 return Err(e);
             }
         };
         // Connection-level failures (heartbeat, broker closing us) end the session.
         let lost = CancellationToken::new();
-        let events = conn.events_listener();
+        let connection_lost = amqp::connection_lost(&conn);
         let watch = lost.clone();
         tokio::spawn(async move {
-            let mut events = std::pin::pin!(events);
-            loop {
-                tokio::select! {
-                    _ = watch.cancelled() => return,
-                    ev = events.next() => match ev {
-                        Some(lapin::Event::Error(_)) | None => { watch.cancel(); return; }
-                        Some(_) => {}
-                    }
-                }
+            tokio::select! {
+                _ = watch.cancelled() => {}
+                _ = connection_lost => watch.cancel(),
             }
         });
         Ok(Session {
