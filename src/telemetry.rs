@@ -26,7 +26,7 @@ const DOWN_REPEAT: Duration = Duration::from_secs(30);
 
 type Labels = Vec<(&'static str, &'static str)>;
 
-/// The relay's metrics (see README, "Metrics").
+/// The relay's metrics (docs/operating.md, "Health and metrics").
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,

@@ -8,7 +8,7 @@
 use std::fmt;
 use std::time::Duration;
 
-/// Header names the relay sets on every message (README, "The contract"). Producers may not
+/// Header names the relay sets on every message (docs/contract.md). Producers may not
 /// set names with [`RESERVED_HEADER_PREFIX`]; the relay strips them and says so.
 pub mod headers {
     /// Every header the relay or the consumer kit writes starts with this.

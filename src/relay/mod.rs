@@ -51,7 +51,7 @@ pub enum OnPark {
     BlockKey,
 }
 
-/// The relay's settings (see README for each flag).
+/// The relay's settings (docs/running.md, "Flags of `run`", explains each flag).
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
     /// `--exchange`: the topic exchange rows are published to.

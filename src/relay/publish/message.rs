@@ -1,6 +1,7 @@
-//! The message contract: what one outbox row becomes on the wire (README, "Message
-//! published"): AMQP properties, the row's user headers plus the relay's, the payload as the
-//! body, and the refusals for rows that cannot be published as they are.
+//! The message contract: what one outbox row becomes on the wire (docs/contract.md, "The
+//! message published for each row"): AMQP properties, the row's user headers plus the
+//! relay's, the payload as the body, and the refusals for rows that cannot be published as
+//! they are.
 //!
 //! Invariants: a producer never sets a reserved header (`CC`, `BCC`, `x-outbox-*`,
 //! `traceparent`, `tracestate`): such a row is refused, not published with a forged value;
@@ -62,7 +63,7 @@ pub(crate) struct MessageOptions {
 
 const CLOUDEVENTS_PREFIX: &str = "cloudevents:";
 
-/// Builds the AMQP message for a row, per the contract (README, "Message published").
+/// Builds the AMQP message for a row, per the contract (docs/contract.md).
 pub(crate) fn prepare(
     row: &ClaimedRow,
     max_message_bytes: usize,

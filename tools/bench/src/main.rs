@@ -45,7 +45,7 @@ const SECTIONS: [&str; 7] = [
 #[derive(Debug, Parser)]
 #[command(
     name = "outbox-bench",
-    about = "Benchmarks outbox-relay against the broker's own ceiling (issue 6); see README, Benchmark"
+    about = "Benchmarks outbox-relay against the broker's own ceiling (issue 6); see docs/benchmarks.md"
 )]
 struct Args {
     /// Every section at tiny sizes (seconds, not minutes): checks the bench works.

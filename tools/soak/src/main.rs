@@ -7,7 +7,7 @@
 //! target/release/outbox-soak --duration 120s --seed 7
 //! ```
 //! Exit status: 0 when the verdict is PASS, 1 when it is FAIL or the soak could not run,
-//! 2 for bad arguments. README ("Soak") says what is injected and checked.
+//! 2 for bad arguments. docs/guarantees.md ("Soak") says what is injected and checked.
 //!
 //! Layout: `run/` (one run, start to verdict), `schedule.rs` (the seeded fault
 //! schedule), `procs.rs` (process slots, signals, rabbitmqctl), `producer.rs`, `consumer.rs`

@@ -1,7 +1,7 @@
 //! The bounded soak, as CI runs it: the `outbox-soak` binary (real relay and consumer
 //! processes, the seeded fault schedule, the checker) with fixed seeds and short durations
 //! must give a PASS; the same seed must give the same schedule; and a planted stray event
-//! must make the verdict, and the exit status, fail. The long run is in README ("Soak").
+//! must make the verdict, and the exit status, fail. The long run is in docs/guarantees.md ("Soak").
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -39,7 +39,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Events per second, all producers together. Keep it below what the consumers
-    /// apply (README, "Soak": ordered consumers behind a long backlog give gaps up).
+    /// apply (docs/guarantees.md, "Soak": ordered consumers behind a long backlog give gaps up).
     #[arg(long, default_value_t = 100)]
     pub rate: u32,
     /// Distinct keys (aggregate ids); a quarter of the events go to eight hot ones.
