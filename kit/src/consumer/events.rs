@@ -1,5 +1,5 @@
 //! Everything the consumer kit reports happens once, in one function each, with structured
-//! fields (see `crate::telemetry` for the relay's). Per message only for what is rare
+//! fields (the relay reports its own in its `telemetry` module). Per message only for what is rare
 //! (dead letters, gaps given up, in-doubt effects); never an event id in a metric label.
 
 use tracing::{debug, info, warn};
