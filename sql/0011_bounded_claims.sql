@@ -40,6 +40,10 @@
 -- other text, and the relay parks it with that reason. In any other database the server
 -- converted the text on the way in, and nothing is checked.
 --
+-- Waking when due. The first row of a claim (the one that says where the scan got to) also
+-- says, in the new column `next_due`, in how many seconds the earliest scheduled row not
+-- yet due becomes due, so the relay claims then rather than at its next poll.
+--
 -- The return type changes, so outbox_claim is dropped and created again; its grants carry
 -- over.
 
@@ -111,6 +115,7 @@ CREATE FUNCTION outbox_claim(
     scanned_to bigint,
     scanned integer,
     per_key integer,
+    next_due double precision,
     unreadable text
 )
 LANGUAGE plpgsql SET search_path FROM CURRENT SET plan_cache_mode = force_custom_plan
@@ -131,6 +136,7 @@ DECLARE
     v_seqs    bigint[];
     v_cut     bigint;
     v_check   boolean := current_setting('server_encoding') = 'SQL_ASCII';
+    v_next_due double precision;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(outbox_claim_lock_key());
 
@@ -140,7 +146,7 @@ BEGIN
     IF v_owned IS NULL THEN
         RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                             NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
-                            NULL::integer, p_after, 0, 0, NULL::text;
+                            NULL::integer, p_after, 0, 0, NULL::float8, NULL::text;
         RETURN;
     END IF;
     v_all := cardinality(v_owned) = 64;
@@ -329,10 +335,22 @@ BEGIN
         v_scanned_to := v_cut - 1;
     END IF;
 
+    -- When the earliest scheduled row not yet due becomes due (seconds from now), so that
+    -- the relay claims then instead of at its next poll. Forward claims only; the first
+    -- entry past now() of outbox_events_scheduled (another relay's row wakes this one for
+    -- nothing, which costs one claim).
+    IF p_before IS NULL THEN
+        SELECT extract(epoch FROM min(e.available_at) - now())::float8 INTO v_next_due
+          FROM outbox_events e
+         WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at > e.created_at
+           AND e.available_at > now();
+    END IF;
+
     RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                         NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
                         NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0), v_per_key,
-                        NULL::text;
+                        v_next_due, NULL::text;
 
     RETURN QUERY
     WITH r AS MATERIALIZED (
@@ -391,7 +409,7 @@ BEGIN
            CASE WHEN s.oversized THEN NULL ELSE s.traceparent END,
            CASE WHEN s.oversized THEN NULL ELSE s.tracestate END,
            s.created_epoch, s.created_text,
-           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer,
+           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer, NULL::float8,
            CASE WHEN s.bad IS NOT NULL THEN 'unreadable row: ' || s.bad || ' not valid UTF-8' END
       FROM sized s
      WHERE s.ord = 1 OR s.running <= p_max_bytes

@@ -99,7 +99,7 @@ $$;
 -- Name: outbox_claim(text, bigint, integer, integer, boolean, integer, bigint, text[], text[], bigint, bigint[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.outbox_claim(p_relay text, p_after bigint, p_limit integer, p_per_key integer, p_block_parked_keys boolean, p_max_message_bytes integer, p_max_bytes bigint, p_key_types text[] DEFAULT '{}'::text[], p_key_ids text[] DEFAULT '{}'::text[], p_before bigint DEFAULT NULL::bigint, p_held bigint[] DEFAULT '{}'::bigint[]) RETURNS TABLE(id bigint, event_id uuid, aggregate_type text, aggregate_id text, event_type text, routing_key text, body text, body_bytes integer, headers text, traceparent text, tracestate text, created_epoch double precision, created_text text, attempts integer, seq bigint, partition integer, scanned_to bigint, scanned integer, per_key integer, unreadable text)
+CREATE FUNCTION public.outbox_claim(p_relay text, p_after bigint, p_limit integer, p_per_key integer, p_block_parked_keys boolean, p_max_message_bytes integer, p_max_bytes bigint, p_key_types text[] DEFAULT '{}'::text[], p_key_ids text[] DEFAULT '{}'::text[], p_before bigint DEFAULT NULL::bigint, p_held bigint[] DEFAULT '{}'::bigint[]) RETURNS TABLE(id bigint, event_id uuid, aggregate_type text, aggregate_id text, event_type text, routing_key text, body text, body_bytes integer, headers text, traceparent text, tracestate text, created_epoch double precision, created_text text, attempts integer, seq bigint, partition integer, scanned_to bigint, scanned integer, per_key integer, next_due double precision, unreadable text)
     LANGUAGE plpgsql
     SET search_path TO 'public'
     SET plan_cache_mode TO 'force_custom_plan'
@@ -122,6 +122,7 @@ DECLARE
     v_seqs    bigint[];
     v_cut     bigint;
     v_check   boolean := current_setting('server_encoding') = 'SQL_ASCII';
+    v_next_due double precision;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(outbox_claim_lock_key());
 
@@ -131,7 +132,7 @@ BEGIN
     IF v_owned IS NULL THEN
         RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                             NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
-                            NULL::integer, p_after, 0, 0, NULL::text;
+                            NULL::integer, p_after, 0, 0, NULL::float8, NULL::text;
         RETURN;
     END IF;
     v_all := cardinality(v_owned) = 64;
@@ -320,10 +321,22 @@ BEGIN
         v_scanned_to := v_cut - 1;
     END IF;
 
+    -- When the earliest scheduled row not yet due becomes due (seconds from now), so that
+    -- the relay claims then instead of at its next poll. Forward claims only; the first
+    -- entry past now() of outbox_events_scheduled (another relay's row wakes this one for
+    -- nothing, which costs one claim).
+    IF p_before IS NULL THEN
+        SELECT extract(epoch FROM min(e.available_at) - now())::float8 INTO v_next_due
+          FROM outbox_events e
+         WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at > e.created_at
+           AND e.available_at > now();
+    END IF;
+
     RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                         NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
                         NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0), v_per_key,
-                        NULL::text;
+                        v_next_due, NULL::text;
 
     RETURN QUERY
     WITH r AS MATERIALIZED (
@@ -382,7 +395,7 @@ BEGIN
            CASE WHEN s.oversized THEN NULL ELSE s.traceparent END,
            CASE WHEN s.oversized THEN NULL ELSE s.tracestate END,
            s.created_epoch, s.created_text,
-           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer,
+           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer, NULL::float8,
            CASE WHEN s.bad IS NOT NULL THEN 'unreadable row: ' || s.bad || ' not valid UTF-8' END
       FROM sized s
      WHERE s.ord = 1 OR s.running <= p_max_bytes

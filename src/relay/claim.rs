@@ -10,6 +10,7 @@
 //! [`ClaimedRow::unreadable`], to be parked with that reason (sql/0011).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio_postgres::Row;
@@ -102,6 +103,8 @@ pub(crate) struct Claimed {
     pub(crate) scanned: usize,
     /// How many rows per key the claim took at most (a key that got this many may have more).
     pub(crate) per_key: usize,
+    /// When the earliest scheduled row not yet due becomes due, from now (forward claims).
+    pub(crate) next_due: Option<Duration>,
     pub(crate) rows: Vec<ClaimedRow>,
 }
 
@@ -156,6 +159,7 @@ pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed,
         scanned_to: req.after,
         scanned: 0,
         per_key: req.per_key,
+        next_due: None,
         rows: Vec::with_capacity(rows.len()),
     };
     for row in rows {
@@ -164,6 +168,9 @@ pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed,
             out.scanned_to = row.try_get::<_, Option<i64>>(16)?.unwrap_or(req.after);
             out.scanned = row.try_get::<_, Option<i32>>(17)?.unwrap_or(0).max(0) as usize;
             out.per_key = row.try_get::<_, Option<i32>>(18)?.unwrap_or(1).max(1) as usize;
+            out.next_due = row
+                .try_get::<_, Option<f64>>(19)?
+                .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX));
             continue;
         };
         out.rows.push(claimed_row(id, &row)?);
@@ -195,7 +202,7 @@ fn claimed_row(id: i64, row: &Row) -> Result<ClaimedRow, DbError> {
         attempts: row.try_get(13)?,
         seq: row.try_get(14)?,
         partition: partition as u8,
-        unreadable: row.try_get(19)?,
+        unreadable: row.try_get(20)?,
     })
 }
 

@@ -235,6 +235,28 @@ async fn rows_not_yet_due_cost_a_claim_nothing() {
     );
 }
 
+/// Waits (20 s at most) until the row of `event_id` is marked dispatched: whether that was
+/// at or after its available_at, and how many seconds after.
+async fn dispatched_after_due(client: &Client, event_id: uuid::Uuid) -> (bool, f64) {
+    wait_for(
+        "the delayed row dispatched",
+        Duration::from_secs(20),
+        || async {
+            client
+                .query_opt(
+                    "SELECT dispatched_at >= available_at,
+                        extract(epoch FROM dispatched_at - available_at)::float8
+                   FROM outbox_events WHERE event_id = $1 AND dispatched_at IS NOT NULL",
+                    &[&event_id],
+                )
+                .await
+                .unwrap()
+                .map(|r| (r.get(0), r.get(1)))
+        },
+    )
+    .await
+}
+
 /// A row with available_at two seconds ahead is held until then and published within a
 /// poll interval after it is due (and the time one claim, publish and mark take).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,17 +278,7 @@ async fn a_delayed_row_is_published_once_due_within_a_poll_interval() {
         .get(0);
     let now = db.insert(&client, 10, 10).await;
     broker.wait_all(&now, Duration::from_secs(30)).await;
-    broker.wait_all(&[delayed], Duration::from_secs(30)).await;
-    let row = client
-        .query_one(
-            "SELECT dispatched_at >= available_at,
-                    extract(epoch FROM dispatched_at - available_at)::float8
-               FROM outbox_events WHERE event_id = $1",
-            &[&delayed],
-        )
-        .await
-        .unwrap();
-    let (held, late): (bool, f64) = (row.get(0), row.get(1));
+    let (held, late) = dispatched_after_due(&client, delayed).await;
     assert!(held, "published {late} s after it was due: before");
     assert!(
         late <= (poll + Duration::from_secs(1)).as_secs_f64(),
@@ -332,4 +344,36 @@ async fn rows_that_are_not_utf8_are_parked_while_others_flow() {
     let mut all = good;
     all.extend(later);
     check(&all, &broker.received()).assert_clean();
+}
+
+/// A relay that claims on its own only every 30 s (a 60 s poll; a lease round, which
+/// renews the wake-up hint and then claims, every 30 s) still publishes a row scheduled two
+/// seconds ahead as soon as it is due: the claim before said when that would be, and the
+/// relay claims again then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_row_wakes_the_relay_when_due() {
+    let db = TestDb::new().await;
+    let broker = Broker::new("order.#").await;
+    let mut config = test_config(&broker);
+    config.poll_interval = Duration::from_secs(60);
+    config.lease = Duration::from_secs(90);
+    let relay = InProcessRelay::start(&db, config);
+    let client = db.client().await;
+    // The relay is up and idle (it published this row) before the scheduled one is written.
+    let first = db.insert(&client, 1, 1).await;
+    broker.wait_all(&first, Duration::from_secs(30)).await;
+    let delayed: uuid::Uuid = client
+        .query_one(
+            "SELECT outbox_enqueue('order', 'later', 'created', '{}', '{}', now() + interval '2 seconds')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let (held, late) = dispatched_after_due(&client, delayed).await;
+    assert!(
+        held && late <= 5.0,
+        "published {late} s after it was due, with a 60 s poll interval"
+    );
+    relay.stop().await;
 }
