@@ -134,7 +134,10 @@ impl Pass {
             && (woken || self.not_before.is_none_or(|t| t <= now))
     }
 
-    /// When a wanted claim that waits on time becomes due, or a scheduled row does.
+    /// When a wanted claim that waits on time becomes due, or a scheduled row does. A
+    /// scheduled time already past is not returned: the engine may be unable to claim
+    /// (no session, no room), and a timer that has expired would wake it in a loop; the
+    /// claim starts at its next wake-up instead.
     pub(crate) fn next_due(&self) -> Option<Instant> {
         let waiting = if self.wanted {
             [self.retry.not_before(), self.not_before]
@@ -144,7 +147,9 @@ impl Pass {
         } else {
             None
         };
-        [waiting, self.wake_at].into_iter().flatten().min()
+        let now = Instant::now();
+        let scheduled = self.wake_at.filter(|t| *t > now);
+        [waiting, scheduled].into_iter().flatten().min()
     }
 
     /// Starts a claim of at most `limit` rows at `now` (`window`: the late-commit window):

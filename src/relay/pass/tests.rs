@@ -185,6 +185,13 @@ async fn a_scheduled_row_wakes_a_forward_claim_when_due() {
     assert!(!pass.due(Instant::now()), "not before it is due");
     tokio::time::advance(ms(1)).await;
     assert!(pass.due(Instant::now()));
+    assert_eq!(
+        pass.next_due(),
+        None,
+        "a time already past is no timer (the engine may be unable to claim yet)"
+    );
+    tokio::time::advance(ms(50)).await;
+    assert!(pass.due(Instant::now()), "still due until a claim starts");
     let plan = pass.start(Instant::now(), 100, W);
     assert!(!plan.sweeping, "a forward claim reads the due rows");
     pass.returned(Instant::now(), false, 10, true, 0);
