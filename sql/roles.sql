@@ -28,9 +28,10 @@
 -- PUBLIC's default EXECUTE on those functions is revoked. The one,
 -- outbox_refresh_statistics, runs as the owner because ANALYZE needs the owner; it
 -- analyzes outbox_events and nothing else (when the statistics say fewer rows are pending
--- than a claim saw; sql/0007). Four pure helpers stay executable by everyone
+-- than a claim saw; sql/0007). Five pure helpers stay executable by everyone
 -- (outbox_headers_allowed, used by a CHECK constraint; outbox_partition_of;
--- outbox_claim_lock_key; outbox_uuid_v7, the event_id default): they read no table.
+-- outbox_claim_lock_key; outbox_uuid_v7, the event_id default; outbox_utf8_valid): they
+-- read no table.
 --
 -- Migrations are not the relay role's job: run `outbox-relay migrate` as the owner, and
 -- `outbox-relay run --no-migrate` as the relay role (without --no-migrate it exits 1 with

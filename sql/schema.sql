@@ -99,7 +99,7 @@ $$;
 -- Name: outbox_claim(text, bigint, integer, integer, boolean, integer, bigint, text[], text[], bigint, bigint[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.outbox_claim(p_relay text, p_after bigint, p_limit integer, p_per_key integer, p_block_parked_keys boolean, p_max_message_bytes integer, p_max_bytes bigint, p_key_types text[] DEFAULT '{}'::text[], p_key_ids text[] DEFAULT '{}'::text[], p_before bigint DEFAULT NULL::bigint, p_held bigint[] DEFAULT '{}'::bigint[]) RETURNS TABLE(id bigint, event_id uuid, aggregate_type text, aggregate_id text, event_type text, routing_key text, body text, body_bytes integer, headers text, traceparent text, tracestate text, created_epoch double precision, created_text text, attempts integer, seq bigint, partition integer, scanned_to bigint, scanned integer, per_key integer)
+CREATE FUNCTION public.outbox_claim(p_relay text, p_after bigint, p_limit integer, p_per_key integer, p_block_parked_keys boolean, p_max_message_bytes integer, p_max_bytes bigint, p_key_types text[] DEFAULT '{}'::text[], p_key_ids text[] DEFAULT '{}'::text[], p_before bigint DEFAULT NULL::bigint, p_held bigint[] DEFAULT '{}'::bigint[]) RETURNS TABLE(id bigint, event_id uuid, aggregate_type text, aggregate_id text, event_type text, routing_key text, body text, body_bytes integer, headers text, traceparent text, tracestate text, created_epoch double precision, created_text text, attempts integer, seq bigint, partition integer, scanned_to bigint, scanned integer, per_key integer, next_due double precision, unreadable text)
     LANGUAGE plpgsql
     SET search_path TO 'public'
     SET plan_cache_mode TO 'force_custom_plan'
@@ -121,6 +121,8 @@ DECLARE
     v_picked  bigint[];
     v_seqs    bigint[];
     v_cut     bigint;
+    v_check   boolean := current_setting('server_encoding') = 'SQL_ASCII';
+    v_next_due double precision;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(outbox_claim_lock_key());
 
@@ -130,17 +132,21 @@ BEGIN
     IF v_owned IS NULL THEN
         RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                             NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
-                            NULL::integer, p_after, 0, 0;
+                            NULL::integer, p_after, 0, 0, NULL::float8, NULL::text;
         RETURN;
     END IF;
     v_all := cardinality(v_owned) = 64;
 
-    -- Keys to look at: those the relay named (first), then those of the candidate rows in
-    -- order of their oldest candidate.
+    -- Keys to look at: those the relay named and those of scheduled rows now due (first),
+    -- then those of the candidate rows in order of their oldest candidate. Candidates are
+    -- rows that were due when inserted (outbox_events_pending, by id from the cursor);
+    -- scheduled rows are read from outbox_events_scheduled only once due, so rows not yet
+    -- due cost nothing here however many there are.
     WITH cand AS (
         SELECT e.id, e.aggregate_type, e.aggregate_id
           FROM outbox_events e
          WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at <= e.created_at
            AND e.available_at <= now()
            AND e.id > p_after
            AND (p_before IS NULL OR e.id <= p_before)
@@ -148,10 +154,34 @@ BEGIN
            AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (v_owned))
          ORDER BY e.id
          LIMIT p_limit
+    ), due AS (
+        -- Scheduled rows that are due, earliest first, for forward claims only (a sweep
+        -- reads below the cursor, and these are not read by cursor at all), for at most
+        -- half the claim. Keys that stay blocked are left out here, so they cannot fill
+        -- this half claim after claim and hold back the rows due after them.
+        SELECT e.aggregate_type, e.aggregate_id
+          FROM outbox_events e
+         WHERE p_before IS NULL
+           AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at > e.created_at
+           AND e.available_at <= now()
+           AND NOT (e.id = ANY (p_held))
+           AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (v_owned))
+           AND NOT (p_block_parked_keys
+                    AND EXISTS (SELECT 1 FROM outbox_events x
+                                 WHERE x.aggregate_type = e.aggregate_type
+                                   AND x.aggregate_id = e.aggregate_id
+                                   AND x.parked_at IS NOT NULL))
+         ORDER BY e.available_at, e.id
+         LIMIT greatest(p_limit / 2, 1)
     ), named AS (
+        -- Keys named and keys with due scheduled rows are looked at whatever the cursor:
+        -- first_id 0, so they never stop it.
         SELECT n.aggregate_type, n.aggregate_id, 0::bigint AS first_id
           FROM unnest(p_key_types, p_key_ids) AS n(aggregate_type, aggregate_id)
          WHERE v_all OR outbox_partition_of(n.aggregate_type, n.aggregate_id) = ANY (v_owned)
+        UNION ALL
+        SELECT d.aggregate_type, d.aggregate_id, 0::bigint FROM due d
     ), keys AS (
         SELECT u.aggregate_type, u.aggregate_id, min(u.first_id) AS first_id
           FROM (SELECT c.aggregate_type, c.aggregate_id, c.id AS first_id FROM cand c
@@ -291,9 +321,22 @@ BEGIN
         v_scanned_to := v_cut - 1;
     END IF;
 
+    -- When the earliest scheduled row not yet due becomes due (seconds from now), so that
+    -- the relay claims then instead of at its next poll. Forward claims only; the first
+    -- entry past now() of outbox_events_scheduled (another relay's row wakes this one for
+    -- nothing, which costs one claim).
+    IF p_before IS NULL THEN
+        SELECT extract(epoch FROM min(e.available_at) - now())::float8 INTO v_next_due
+          FROM outbox_events e
+         WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at > e.created_at
+           AND e.available_at > now();
+    END IF;
+
     RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                         NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
-                        NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0), v_per_key;
+                        NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0), v_per_key,
+                        v_next_due, NULL::text;
 
     RETURN QUERY
     WITH r AS MATERIALIZED (
@@ -307,16 +350,53 @@ BEGIN
                p.ord
           FROM unnest(v_picked, v_seqs) WITH ORDINALITY AS p(id, seq, ord)
           JOIN outbox_events e ON e.id = p.id
-    ), sized AS (
-        SELECT r.*, octet_length(r.body) AS body_bytes,
-               sum(CASE WHEN octet_length(r.body) > p_max_message_bytes THEN 0
-                        ELSE octet_length(r.body) END) OVER (ORDER BY r.ord) AS running
+    ), checked AS (
+        -- In a SQL_ASCII database: the columns whose text is not UTF-8.
+        SELECT r.*,
+               CASE WHEN v_check THEN
+                   nullif(concat_ws(', ',
+                       CASE WHEN NOT outbox_utf8_valid(r.aggregate_type) THEN 'aggregate_type' END,
+                       CASE WHEN NOT outbox_utf8_valid(r.aggregate_id) THEN 'aggregate_id' END,
+                       CASE WHEN NOT outbox_utf8_valid(r.event_type) THEN 'event_type' END,
+                       CASE WHEN NOT outbox_utf8_valid(r.routing_key) THEN 'routing_key' END,
+                       CASE WHEN NOT outbox_utf8_valid(r.body) THEN 'payload' END,
+                       CASE WHEN NOT outbox_utf8_valid(r.headers) THEN 'headers' END,
+                       CASE WHEN NOT outbox_utf8_valid(r.traceparent) THEN 'traceparent' END,
+                       CASE WHEN NOT outbox_utf8_valid(r.tracestate) THEN 'tracestate' END), '')
+               END AS bad
           FROM r
+    ), measured AS (
+        -- The message's size as published: body, user headers, trace context and the
+        -- text that becomes properties and headers (key, type, routing key).
+        SELECT r.*,
+               octet_length(r.aggregate_type) + octet_length(r.aggregate_id)
+                 + octet_length(r.event_type) + octet_length(r.routing_key) AS key_bytes,
+               octet_length(r.body) + octet_length(r.headers)
+                 + coalesce(octet_length(r.traceparent), 0) + coalesce(octet_length(r.tracestate), 0)
+                 + octet_length(r.aggregate_type) + octet_length(r.aggregate_id)
+                 + octet_length(r.event_type) + octet_length(r.routing_key) AS message_bytes
+          FROM checked r
+    ), sized AS (
+        -- What the relay will hold of each row: an oversized or unreadable one comes back
+        -- without body, headers or trace context (it is parked, never published).
+        SELECT m.*, m.message_bytes > p_max_message_bytes OR m.bad IS NOT NULL AS oversized,
+               sum(CASE WHEN m.message_bytes > p_max_message_bytes OR m.bad IS NOT NULL THEN m.key_bytes
+                        ELSE m.message_bytes END) OVER (ORDER BY m.ord) AS running
+          FROM measured m
     )
-    SELECT s.id, s.event_id, s.aggregate_type, s.aggregate_id, s.event_type, s.routing_key,
-           CASE WHEN s.body_bytes > p_max_message_bytes THEN NULL ELSE s.body END,
-           s.body_bytes, s.headers, s.traceparent, s.tracestate, s.created_epoch, s.created_text,
-           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer
+    SELECT s.id, s.event_id,
+           CASE WHEN s.bad IS NULL THEN s.aggregate_type ELSE encode(convert_to(s.aggregate_type, 'SQL_ASCII'), 'hex') END,
+           CASE WHEN s.bad IS NULL THEN s.aggregate_id ELSE encode(convert_to(s.aggregate_id, 'SQL_ASCII'), 'hex') END,
+           CASE WHEN s.bad IS NULL THEN s.event_type ELSE '' END,
+           CASE WHEN s.bad IS NULL THEN s.routing_key ELSE '' END,
+           CASE WHEN s.oversized THEN NULL ELSE s.body END,
+           s.message_bytes,
+           CASE WHEN s.oversized THEN NULL ELSE s.headers END,
+           CASE WHEN s.oversized THEN NULL ELSE s.traceparent END,
+           CASE WHEN s.oversized THEN NULL ELSE s.tracestate END,
+           s.created_epoch, s.created_text,
+           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer, NULL::float8,
+           CASE WHEN s.bad IS NOT NULL THEN 'unreadable row: ' || s.bad || ' not valid UTF-8' END
       FROM sized s
      WHERE s.ord = 1 OR s.running <= p_max_bytes
      ORDER BY s.ord;
@@ -1073,6 +1153,24 @@ END
 $$;
 
 --
+-- Name: outbox_utf8_valid(text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_utf8_valid(t text) RETURNS boolean
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+    AS $$
+BEGIN
+    IF t IS NULL OR t !~ '[\x80-\xff]' THEN
+        RETURN true;
+    END IF;
+    PERFORM convert_to(t, 'UTF8');
+    RETURN true;
+EXCEPTION WHEN character_not_in_repertoire OR untranslatable_character THEN
+    RETURN false;
+END
+$$;
+
+--
 -- Name: outbox_uuid_v7(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1402,6 +1500,13 @@ ALTER TABLE ONLY public.outbox_events
     ADD CONSTRAINT outbox_events_event_id_key UNIQUE (event_id);
 
 --
+-- Name: outbox_events outbox_events_headers_size; Type: CHECK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE public.outbox_events
+    ADD CONSTRAINT outbox_events_headers_size CHECK ((octet_length((headers)::text) <= 65536)) NOT VALID;
+
+--
 -- Name: outbox_events outbox_events_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -1497,13 +1602,19 @@ CREATE INDEX outbox_events_parked ON public.outbox_events USING btree (aggregate
 -- Name: outbox_events_pending; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX outbox_events_pending ON public.outbox_events USING btree (id) WHERE ((dispatched_at IS NULL) AND (parked_at IS NULL));
+CREATE INDEX outbox_events_pending ON public.outbox_events USING btree (id) WHERE ((dispatched_at IS NULL) AND (parked_at IS NULL) AND (available_at <= created_at));
 
 --
 -- Name: outbox_events_pending_key; Type: INDEX; Schema: public; Owner: -
 --
 
 CREATE INDEX outbox_events_pending_key ON public.outbox_events USING btree (aggregate_type, aggregate_id, seq, id) WHERE ((dispatched_at IS NULL) AND (parked_at IS NULL));
+
+--
+-- Name: outbox_events_scheduled; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX outbox_events_scheduled ON public.outbox_events USING btree (available_at, id) WHERE ((dispatched_at IS NULL) AND (parked_at IS NULL) AND (available_at > created_at));
 
 --
 -- Name: outbox_inbox_handled; Type: INDEX; Schema: public; Owner: -

@@ -73,6 +73,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0010_effects_ledger.sql",
         sql: include_str!("../../sql/0010_effects_ledger.sql"),
     },
+    Migration {
+        version: 11,
+        name: "0011_bounded_claims.sql",
+        sql: include_str!("../../sql/0011_bounded_claims.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

@@ -4,11 +4,16 @@
 //! Invariants: `dispatched_at` is written only by `mark_dispatched`, which takes
 //! [`Acked`] values that only `relay/publish.rs` can make (from a broker ack without a
 //! return); a parked row is never marked dispatched (`parked_at IS NULL` in the UPDATE);
-//! marking and parking never touch a row that already has a final state.
+//! marking and parking never touch a row that already has a final state. What a row holds
+//! is the producers' data: reading it never panics (`try_get`, errors returned), and a row
+//! whose text the server cannot send (not UTF-8, in a `SQL_ASCII` database) comes back
+//! [`ClaimedRow::unreadable`], to be parked with that reason (sql/0011).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::hand::Key;
@@ -30,11 +35,14 @@ pub struct ClaimedRow {
     pub event_type: String,
     /// The row's routing key, or `<aggregate_type>.<event_type>`.
     pub routing_key: String,
-    /// The payload's JSON text; `None` when it is larger than `--max-message-bytes`.
+    /// The payload's JSON text; `None` when the message is larger than
+    /// `--max-message-bytes`.
     pub body: Option<Arc<str>>,
-    /// The payload's size in bytes (also when `body` is `None`).
+    /// The message's size in bytes as published: payload, user headers, trace context,
+    /// key, type and routing key (also when `body` is `None`). What the row costs in
+    /// memory, counted against `--max-in-memory-bytes`.
     pub body_bytes: usize,
-    /// The row's user headers as JSON text.
+    /// The row's user headers as JSON text (`{}` when the message is too large).
     pub headers: String,
     /// W3C trace context, passed on as a header.
     pub traceparent: Option<String>,
@@ -50,6 +58,10 @@ pub struct ClaimedRow {
     pub seq: i64,
     /// The partition (of the key) whose lease lets this relay publish the row.
     pub partition: u8,
+    /// Why the row cannot be published as it is stored (text that is not UTF-8, which
+    /// only a `SQL_ASCII` database holds): the claim then returns its key as hex and no
+    /// other text, and the relay parks it with this reason.
+    pub unreadable: Option<String>,
 }
 
 impl ClaimedRow {
@@ -77,6 +89,7 @@ impl ClaimedRow {
             attempts: 0,
             seq,
             partition: 0,
+            unreadable: None,
         }
     }
 }
@@ -90,6 +103,8 @@ pub(crate) struct Claimed {
     pub(crate) scanned: usize,
     /// How many rows per key the claim took at most (a key that got this many may have more).
     pub(crate) per_key: usize,
+    /// When the earliest scheduled row not yet due becomes due, from now (forward claims).
+    pub(crate) next_due: Option<Duration>,
     pub(crate) rows: Vec<ClaimedRow>,
 }
 
@@ -144,41 +159,51 @@ pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed,
         scanned_to: req.after,
         scanned: 0,
         per_key: req.per_key,
+        next_due: None,
         rows: Vec::with_capacity(rows.len()),
     };
-    // Columns by position (the order of outbox_claim's RETURNS TABLE): reading by name
-    // costs a string search per column per row.
     for row in rows {
-        let id: Option<i64> = row.get(0);
+        let id: Option<i64> = row.try_get(0)?;
         let Some(id) = id else {
-            out.scanned_to = row.get::<_, Option<i64>>(16).unwrap_or(req.after);
-            out.scanned = row.get::<_, Option<i32>>(17).unwrap_or(0).max(0) as usize;
-            out.per_key = row.get::<_, Option<i32>>(18).unwrap_or(1).max(1) as usize;
+            out.scanned_to = row.try_get::<_, Option<i64>>(16)?.unwrap_or(req.after);
+            out.scanned = row.try_get::<_, Option<i32>>(17)?.unwrap_or(0).max(0) as usize;
+            out.per_key = row.try_get::<_, Option<i32>>(18)?.unwrap_or(1).max(1) as usize;
+            out.next_due = row
+                .try_get::<_, Option<f64>>(19)?
+                .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX));
             continue;
         };
-        let body: Option<String> = row.get(6);
-        let body_bytes: i32 = row.get(7);
-        let partition: i32 = row.get(15);
-        out.rows.push(ClaimedRow {
-            id,
-            event_id: row.get(1),
-            aggregate_type: row.get(2),
-            aggregate_id: row.get(3),
-            event_type: row.get(4),
-            routing_key: row.get(5),
-            body: body.map(Arc::from),
-            body_bytes: body_bytes.max(0) as usize,
-            headers: row.get(8),
-            traceparent: row.get(9),
-            tracestate: row.get(10),
-            created_epoch: row.get(11),
-            created_text: row.get(12),
-            attempts: row.get(13),
-            seq: row.get(14),
-            partition: partition as u8,
-        });
+        out.rows.push(claimed_row(id, &row)?);
     }
     Ok(out)
+}
+
+/// One claimed row. Columns by position (the order of outbox_claim's RETURNS TABLE):
+/// reading by name costs a string search per column per row.
+fn claimed_row(id: i64, row: &Row) -> Result<ClaimedRow, DbError> {
+    let body: Option<String> = row.try_get(6)?;
+    let body_bytes: i32 = row.try_get(7)?;
+    let headers: Option<String> = row.try_get(8)?;
+    let partition: i32 = row.try_get(15)?;
+    Ok(ClaimedRow {
+        id,
+        event_id: row.try_get(1)?,
+        aggregate_type: row.try_get(2)?,
+        aggregate_id: row.try_get(3)?,
+        event_type: row.try_get(4)?,
+        routing_key: row.try_get(5)?,
+        body: body.map(Arc::from),
+        body_bytes: body_bytes.max(0) as usize,
+        headers: headers.unwrap_or_else(|| "{}".into()),
+        traceparent: row.try_get(9)?,
+        tracestate: row.try_get(10)?,
+        created_epoch: row.try_get(11)?,
+        created_text: row.try_get(12)?,
+        attempts: row.try_get(13)?,
+        seq: row.try_get(14)?,
+        partition: partition as u8,
+        unreadable: row.try_get(20)?,
+    })
 }
 
 /// The statement `mark_dispatched` runs: `$1` the acked ids, `$2` their numbers (public for the
@@ -267,10 +292,10 @@ pub(crate) async fn record_failures(
     let rows = deadline(client.query(&stmt, &params)).await?;
     let mut out: Vec<(i64, Recorded)> = ids.iter().map(|id| (*id, Recorded::Gone)).collect();
     for row in rows {
-        let id: i64 = row.get(0);
-        let attempts: i32 = row.get(1);
-        let parked: bool = row.get(2);
-        let outcome: &str = row.get(3);
+        let id: i64 = row.try_get(0)?;
+        let attempts: i32 = row.try_get(1)?;
+        let parked: bool = row.try_get(2)?;
+        let outcome: &str = row.try_get(3)?;
         let recorded = match (outcome, parked) {
             ("recorded", false) => Recorded::Pending { attempts },
             ("recorded", true) | ("parked", _) => Recorded::Parked,
@@ -334,13 +359,13 @@ pub(crate) async fn lease(pool: &Pool, req: &LeaseRequest<'_>) -> Result<LeaseRo
     .await?;
     let mut round = LeaseRound::default();
     for row in rows {
-        let partition: i32 = row.get(0);
+        let partition: i32 = row.try_get(0)?;
         round.held.push(Lease {
             partition: partition as u8,
-            epoch: row.get(1),
+            epoch: row.try_get(1)?,
         });
-        round.fair_share = row.get::<_, i32>(2).max(0) as usize;
-        round.relays_alive = row.get::<_, i32>(3).max(0) as usize;
+        round.fair_share = row.try_get::<_, i32>(2)?.max(0) as usize;
+        round.relays_alive = row.try_get::<_, i32>(3)?.max(0) as usize;
     }
     Ok(round)
 }

@@ -229,7 +229,7 @@ pub async fn run_as(
         }
         .await;
         match checked {
-            Ok(row) if row.get::<_, bool>(0) => break,
+            Ok(row) if matches!(row.try_get::<_, bool>(0), Ok(true)) => break,
             Ok(_) => return Err(RelayError::NotMigrated(deps.schema.to_string())),
             Err(e) if e.is_transient() => {
                 let delay = backoff.next_delay();
@@ -245,7 +245,7 @@ pub async fn run_as(
     down.recovered();
     if let Ok(client) = deadline(deps.pool.get()).await
         && let Ok(row) = deadline(client.query_one(CHECK_AUTOVACUUM, &[])).await
-        && !row.get::<_, bool>(0)
+        && matches!(row.try_get::<_, bool>(0), Ok(false))
     {
         deps.telemetry.autovacuum_off();
     }

@@ -17,6 +17,10 @@
 //! relay holds there are left out by the claim itself, so what it finds are the rows that
 //! committed after their id was passed.
 //!
+//! Rows scheduled for later (`available_at`) are not read by cursor: each forward claim
+//! reads the ones due, and says when the next one becomes due; the pass claims again then
+//! ([`Pass::wake_at`]), so a scheduled row goes out when due, not at the next poll.
+//!
 //! Invariants: one claim at a time; a wake-up that arrives while a claim runs survives it
 //! (that claim's snapshot may predate the commit that woke us).
 
@@ -63,6 +67,8 @@ pub(crate) struct Pass {
     last_was_sweep: bool,
     /// Busy polling: the next claim waits until then.
     not_before: Option<Instant>,
+    /// A scheduled row becomes due then: claim (forward) at that time.
+    wake_at: Option<Instant>,
     /// Keys whose held rows all went out while more of theirs may be pending: the next
     /// claim asks for them by name, wherever the cursor is.
     continue_keys: HashSet<Key>,
@@ -83,6 +89,7 @@ impl Pass {
             sweep: None,
             last_was_sweep: false,
             not_before: None,
+            wake_at: None,
             continue_keys: HashSet::new(),
             busy: false,
             retry: Retry::new("claim"),
@@ -113,23 +120,36 @@ impl Pass {
         self.not_before = Some(at);
     }
 
-    /// A claim may start at `now` (if the engine has room and a session).
-    pub(crate) fn due(&self, now: Instant) -> bool {
-        !self.busy
-            && (self.wanted || self.sweep_wanted || self.sweep.is_some())
-            && self.retry.ready(now)
-            && self.not_before.is_none_or(|t| t <= now)
+    /// A scheduled row becomes due at `at`: claim then (the earliest such time is kept).
+    pub(crate) fn wake_at(&mut self, at: Instant) {
+        self.wake_at = Some(self.wake_at.map_or(at, |t| t.min(at)));
     }
 
-    /// When a wanted claim that waits on time becomes due.
+    /// A claim may start at `now` (if the engine has room and a session).
+    pub(crate) fn due(&self, now: Instant) -> bool {
+        let woken = self.wake_at.is_some_and(|t| t <= now);
+        !self.busy
+            && (self.wanted || self.sweep_wanted || self.sweep.is_some() || woken)
+            && self.retry.ready(now)
+            && (woken || self.not_before.is_none_or(|t| t <= now))
+    }
+
+    /// When a wanted claim that waits on time becomes due, or a scheduled row does. A
+    /// scheduled time already past is not returned: the engine may be unable to claim
+    /// (no session, no room), and a timer that has expired would wake it in a loop; the
+    /// claim starts at its next wake-up instead.
     pub(crate) fn next_due(&self) -> Option<Instant> {
-        if !self.wanted {
-            return None;
-        }
-        [self.retry.not_before(), self.not_before]
-            .into_iter()
-            .flatten()
-            .min()
+        let waiting = if self.wanted {
+            [self.retry.not_before(), self.not_before]
+                .into_iter()
+                .flatten()
+                .min()
+        } else {
+            None
+        };
+        let now = Instant::now();
+        let scheduled = self.wake_at.filter(|t| *t > now);
+        [waiting, scheduled].into_iter().flatten().min()
     }
 
     /// Starts a claim of at most `limit` rows at `now` (`window`: the late-commit window):
@@ -137,6 +157,11 @@ impl Pass {
     pub(crate) fn start(&mut self, now: Instant, limit: usize, window: Duration) -> Plan {
         self.busy = true;
         self.not_before = None;
+        if self.wake_at.is_some_and(|t| t <= now) {
+            // A scheduled row is due: a forward claim reads it.
+            self.wake_at = None;
+            self.wanted = true;
+        }
         if std::mem::take(&mut self.sweep_wanted) && self.sweep.is_none() {
             self.sweep = Some((0, self.cursor));
         }

@@ -50,7 +50,9 @@ pub async fn sweep(
 ) -> Result<u64, DbError> {
     let client = deadline(pool.get()).await?;
     let secs = retention.as_secs_f64();
-    let upper: Option<i64> = deadline(client.query_one(UPPER_ID, &[&secs])).await?.get(0);
+    let upper: Option<i64> = deadline(client.query_one(UPPER_ID, &[&secs]))
+        .await?
+        .try_get(0)?;
     let Some(upper) = upper else { return Ok(0) };
     let stmt = deadline(client.prepare_cached(DELETE_BATCH)).await?;
     let (mut total, mut after) = (0, 0_i64);
@@ -60,9 +62,9 @@ pub async fn sweep(
             _ = stop.cancelled() => return Ok(total),
             row = deadline(client.query_one(&stmt, &params)) => row?,
         };
-        let n: i64 = row.get(0);
+        let n: i64 = row.try_get(0)?;
         total += n as u64;
-        match row.get::<_, Option<i64>>(1) {
+        match row.try_get::<_, Option<i64>>(1)? {
             Some(last) if n == BATCH => after = last,
             _ => return Ok(total),
         }

@@ -3,6 +3,7 @@
 
 mod support;
 
+mod claim_limits;
 mod cluster;
 mod consumer;
 mod dashboard;

@@ -435,6 +435,7 @@ async fn roles_sql_names_every_outbox_table_and_function() {
         "outbox_partition_of",
         "outbox_claim_lock_key",
         "outbox_uuid_v7",
+        "outbox_utf8_valid",
         "outbox_schema_migrations",
     ];
     let names = admin

@@ -149,6 +149,9 @@ impl Engine {
         self.tel
             .claimed(new, claimed.scanned, self.hand.rows(), unannounced);
         let now = Instant::now();
+        if let Some(at) = claimed.next_due.and_then(|d| now.checked_add(d)) {
+            self.pass.wake_at(at);
+        }
         let reached_end = claimed.scanned < meta.limit;
         let forward = self
             .pass

@@ -165,3 +165,36 @@ async fn failed_claims_and_busy_polls_wait() {
     tokio::time::advance(ms(5)).await;
     assert!(pass.due(Instant::now()));
 }
+
+/// A claim said when the next scheduled row becomes due: a forward claim is due then,
+/// however long the poll interval, and not before; the earliest such time is kept.
+#[tokio::test(start_paused = true)]
+async fn a_scheduled_row_wakes_a_forward_claim_when_due() {
+    let mut pass = Pass::new();
+    pass.start(Instant::now(), 100, W);
+    pass.returned(Instant::now(), true, 0, true, 0);
+    pass.start(Instant::now(), 100, W);
+    pass.returned(Instant::now(), false, 10, true, 0);
+    assert!(!pass.due(Instant::now()), "caught up, nothing wanted");
+    let at = Instant::now() + ms(2000);
+    pass.wake_at(at + ms(500));
+    pass.wake_at(at);
+    pass.wake_at(at + ms(100));
+    assert_eq!(pass.next_due(), Some(at), "the earliest is kept");
+    tokio::time::advance(ms(1999)).await;
+    assert!(!pass.due(Instant::now()), "not before it is due");
+    tokio::time::advance(ms(1)).await;
+    assert!(pass.due(Instant::now()));
+    assert_eq!(
+        pass.next_due(),
+        None,
+        "a time already past is no timer (the engine may be unable to claim yet)"
+    );
+    tokio::time::advance(ms(50)).await;
+    assert!(pass.due(Instant::now()), "still due until a claim starts");
+    let plan = pass.start(Instant::now(), 100, W);
+    assert!(!plan.sweeping, "a forward claim reads the due rows");
+    pass.returned(Instant::now(), false, 10, true, 0);
+    assert_eq!(pass.next_due(), None, "woken once");
+    assert!(!pass.due(Instant::now()));
+}

@@ -28,6 +28,8 @@ pub(crate) enum Refusal {
     TooLarge { bytes: usize, limit: usize },
     /// A user header, the routing key or the event type breaks the contract.
     BadHeader(String),
+    /// The row's text cannot be read as it was stored (not UTF-8); says which columns.
+    Unreadable(String),
 }
 
 impl fmt::Display for Refusal {
@@ -38,6 +40,7 @@ impl fmt::Display for Refusal {
                 "message too large: {bytes} bytes, more than --max-message-bytes {limit}"
             ),
             Refusal::BadHeader(why) => write!(f, "refused header: {why}"),
+            Refusal::Unreadable(why) => f.write_str(why),
         }
     }
 }
@@ -69,6 +72,9 @@ pub(crate) fn prepare(
     max_message_bytes: usize,
     options: &MessageOptions,
 ) -> Result<Prepared, Refusal> {
+    if let Some(why) = &row.unreadable {
+        return Err(Refusal::Unreadable(why.clone()));
+    }
     let Some(body) = row.body.clone() else {
         return Err(Refusal::TooLarge {
             bytes: row.body_bytes,
@@ -304,5 +310,16 @@ mod tests {
             prepare(&row, 600, &MessageOptions::default()),
             Err(Refusal::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn unreadable_rows_are_refused_with_their_reason() {
+        let mut row = ClaimedRow::for_test(7, "order", "\u{fffd}", 1);
+        row.unreadable = Some("unreadable row: aggregate_id not valid UTF-8".into());
+        let refusal = prepare(&row, 1 << 20, &MessageOptions::default()).err();
+        assert_eq!(
+            refusal.map(|r| r.to_string()).as_deref(),
+            Some("unreadable row: aggregate_id not valid UTF-8")
+        );
     }
 }

@@ -208,6 +208,30 @@ impl TestDb {
         }
     }
 
+    /// A fresh database made by `CREATE DATABASE <name> <options>` (another encoding, say)
+    /// instead of from the template, then migrated.
+    pub async fn created_with(options: &str) -> TestDb {
+        let name = unique("it");
+        admin()
+            .await
+            .batch_execute(&format!("CREATE DATABASE {name} {options}"))
+            .await
+            .expect("create test database");
+        let target = DbTarget::parse(&admin_url()).unwrap().with_dbname(&name);
+        let mut client = target
+            .connect(&Schema::default(), "outbox-it-admin")
+            .await
+            .unwrap();
+        outbox_kit::schema::migrate(&mut client, &Schema::default())
+            .await
+            .unwrap();
+        TestDb {
+            name,
+            target,
+            schema: Schema::default(),
+        }
+    }
+
     pub fn url(&self) -> String {
         let base = admin_url();
         let (prefix, _) = base.rsplit_once('/').expect("url with a database");
