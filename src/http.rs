@@ -11,7 +11,7 @@
 //! never the relay's, so lease renewals and marks never wait behind a page; at most
 //! [`Limits::concurrent_api`] API requests run at once (more get 503 at once, no queue);
 //! a client gets [`Limits::header_read`] to send its headers and [`Limits::request`] for
-//! the rest; and no request counts the whole backlog: a sampler counts (bounded) every
+//! the rest, and at most [`Limits::clients`] connections are open; and no request counts the whole backlog: a sampler counts (bounded) every
 //! [`SAMPLE_EVERY`] for the gauges and the chart, and the overview reads its last sample.
 //! Database errors are logged; only a caller holding the admin token sees their text.
 
@@ -58,6 +58,9 @@ const DASHBOARD_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
 pub struct Limits {
     /// Connections of the endpoint's own pool (API requests and the sampler).
     pub connections: usize,
+    /// Client connections open at once; one more is closed at once (file descriptors are
+    /// the relay's too: it needs them to reconnect to Postgres and RabbitMQ).
+    pub clients: usize,
     /// API requests running at once; one more gets 503 without waiting.
     pub concurrent_api: usize,
     /// Time a client has to send a request's headers (also how long an idle keep-alive
@@ -73,6 +76,7 @@ impl Default for Limits {
     fn default() -> Limits {
         Limits {
             connections: 3,
+            clients: 128,
             concurrent_api: 4,
             header_read: Duration::from_secs(10),
             request: Duration::from_secs(10),
@@ -177,6 +181,7 @@ pub async fn serve(
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read);
     let graceful = GracefulShutdown::new();
+    let clients = Arc::new(Semaphore::new(limits.clients));
     loop {
         let stream = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -190,6 +195,10 @@ pub async fn serve(
                 }
             },
         };
+        let Ok(client) = clients.clone().try_acquire_owned() else {
+            tracing::debug!(target: "outbox_relay", "http connection refused: too many open");
+            continue; // dropping the stream closes it
+        };
         let conn =
             http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
         let conn = graceful.watch(conn);
@@ -197,6 +206,7 @@ pub async fn serve(
             if let Err(e) = conn.await {
                 tracing::debug!(target: "outbox_relay", error = %e, "http connection ended");
             }
+            drop(client);
         });
     }
     drop(listener);

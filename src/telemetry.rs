@@ -174,6 +174,9 @@ impl Default for Metrics {
             "Keys of this relay whose next row the broker last nacked or returned, by reason (nack, returned)",
             m.keys_held.clone(),
         );
+        for reason in ["nack", "returned"] {
+            m.keys_held.get_or_create(&vec![("reason", reason)]).set(0); // shown from the start
+        }
         r.register(
             "outbox_retention_deleted_rows",
             "Dispatched rows deleted by --retention",

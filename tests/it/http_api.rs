@@ -157,9 +157,9 @@ async fn read_until_closed(stream: &mut TcpStream, limit: Duration) -> String {
 }
 
 /// A client that never finishes its headers is disconnected after the header-read
-/// timeout; one that never finishes its body gets 503 after the request timeout; and one
-/// more API request than the limit allows gets 503 at once (with Retry-After) instead of a
-/// place in a queue.
+/// timeout; one that never finishes its body gets 503 after the request timeout; a
+/// connection over the limit of open ones is closed at once; and one more API request than
+/// the limit allows gets 503 at once (with Retry-After) instead of a place in a queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_clients_are_cut_off_and_excess_requests_refused() {
     let db = TestDb::new().await;
@@ -185,6 +185,41 @@ async fn slow_clients_are_cut_off_and_excess_requests_refused() {
     let answer = read_until_closed(&mut slow_body, Duration::from_secs(30)).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains("request not done within"), "{answer}");
+    ep.stop().await;
+
+    // One connection at a time: while one is open, the next is closed unanswered.
+    let single = Limits {
+        clients: 1,
+        header_read: Duration::from_secs(120),
+        ..Limits::default()
+    };
+    let ep = Endpoint::start(&db, None, single).await;
+    let mut first = TcpStream::connect(ep.addr()).await.unwrap();
+    first
+        .write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let n = first.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    let mut second = TcpStream::connect(ep.addr()).await.unwrap();
+    let _ = second
+        .write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let answer = read_until_closed(&mut second, Duration::from_secs(30)).await;
+    assert_eq!(answer, "", "a connection over the limit gets nothing");
+    drop(first);
+    let livez = format!("{}/livez", ep.base);
+    wait_for("a connection again", Duration::from_secs(30), || async {
+        // Refused (closed) until the server has seen the first one go.
+        let r = reqwest::get(&livez).await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
     ep.stop().await;
 
     // One slot: a request that holds it (its body never comes) makes the next one 503.
