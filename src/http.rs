@@ -2,28 +2,41 @@
 //! dashboard at `/`, and the JSON API the dashboard uses.
 //!
 //! Invariants: `/readyz` is 200 only while Postgres answers, an AMQP session is open and
-//! the relay is not shutting down. Re-driving (`POST /api/redrive`) needs the admin token
-//! as `Authorization: Bearer <token>`; without a configured token the endpoint refuses
-//! every write (the dashboard is read-only). A sampler looks at the table every
-//! [`SAMPLE_EVERY`] (pending, oldest pending, parked) for the gauges and the chart.
+//! the relay is not shutting down. With an admin token configured, every `/api/*` request
+//! needs it as `Authorization: Bearer <token>`; without one the read-only views stay open
+//! and re-driving (`POST /api/redrive`) is refused (the dashboard is read-only).
+//!
+//! Architecture invariant: nothing a client does here can starve the relay. The endpoint
+//! reads through a pool of its own ([`Limits::connections`], a short statement_timeout),
+//! never the relay's, so lease renewals and marks never wait behind a page; at most
+//! [`Limits::concurrent_api`] API requests run at once (more get 503 at once, no queue);
+//! a client gets [`Limits::header_read`] to send its headers and [`Limits::request`] for
+//! the rest, and at most [`Limits::clients`] connections are open; and no request counts the whole backlog: a sampler counts (bounded) every
+//! [`SAMPLE_EVERY`] for the gauges and the chart, and the overview reads its last sample.
+//! Database errors are logged; only a caller holding the admin token sees their text.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::{Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use deadpool_postgres::Pool;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::operator::{self, ParkedFilter};
-use outbox_kit::contract::Secret;
-use outbox_kit::db::{DbError, deadline};
+use crate::operator::{self, Counts, ParkedFilter};
+use outbox_kit::contract::{Schema, Secret};
+use outbox_kit::db::{DbError, DbTarget, deadline};
 use outbox_kit::down::Down;
 
 use crate::telemetry::Telemetry;
@@ -40,89 +53,249 @@ const DASHBOARD_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
     style-src 'unsafe-inline'; connect-src 'self'; img-src 'self'; base-uri 'none'; \
     form-action 'none'; frame-ancestors 'none'";
 
+/// What the endpoint allows a client (docs/operating.md, "Dashboard").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections of the endpoint's own pool (API requests and the sampler).
+    pub connections: usize,
+    /// Client connections open at once; one more is closed at once (file descriptors are
+    /// the relay's too: it needs them to reconnect to Postgres and RabbitMQ).
+    pub clients: usize,
+    /// API requests running at once; one more gets 503 without waiting.
+    pub concurrent_api: usize,
+    /// Time a client has to send a request's headers (also how long an idle keep-alive
+    /// connection stays open); then the connection is closed.
+    pub header_read: Duration,
+    /// Time from the headers to the response (reading the body included); then 503.
+    pub request: Duration,
+    /// The server stops any statement of the endpoint after this long.
+    pub statement: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            connections: 3,
+            clients: 128,
+            concurrent_api: 4,
+            header_read: Duration::from_secs(10),
+            request: Duration::from_secs(10),
+            statement: Duration::from_secs(5),
+        }
+    }
+}
+
 /// One look at the outbox, for the chart.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sample {
-    pub unix: f64,
-    pub pending: i64,
-    pub oldest_pending_seconds: f64,
-    pub parked: i64,
+    pub counts: Counts,
     pub dispatched_total: u64,
 }
 
 #[derive(Clone)]
 pub struct HttpState {
     pub telemetry: Telemetry,
-    pub pool: Pool,
+    pool: Pool,
     pub admin_token: Option<Secret>,
+    limits: Limits,
+    api_slots: Arc<Semaphore>,
     history: Arc<Mutex<VecDeque<Sample>>>,
 }
 
 impl HttpState {
-    pub fn new(telemetry: Telemetry, pool: Pool, admin_token: Option<Secret>) -> HttpState {
+    /// The endpoint's state with the default [`Limits`]; it connects to `db` through a pool
+    /// of its own.
+    pub fn new(
+        telemetry: Telemetry,
+        db: &DbTarget,
+        schema: &Schema,
+        admin_token: Option<Secret>,
+    ) -> HttpState {
+        HttpState::with_limits(telemetry, db, schema, admin_token, Limits::default())
+    }
+
+    pub fn with_limits(
+        telemetry: Telemetry,
+        db: &DbTarget,
+        schema: &Schema,
+        admin_token: Option<Secret>,
+        limits: Limits,
+    ) -> HttpState {
         HttpState {
             telemetry,
-            pool,
+            pool: db.pool_with_statement_timeout(
+                schema,
+                "outbox-relay-http",
+                limits.connections,
+                limits.statement,
+            ),
             admin_token,
+            limits,
+            api_slots: Arc::new(Semaphore::new(limits.concurrent_api)),
             history: Arc::new(Mutex::new(VecDeque::with_capacity(HISTORY))),
         }
     }
+
+    /// The newest sample, if the sampler has taken one.
+    fn latest(&self) -> Option<Sample> {
+        self.history.lock().expect("history lock").back().copied()
+    }
 }
 
-/// Serves until `shutdown`; the sampler runs alongside.
+/// Serves until `shutdown`; the sampler runs alongside. Connections still open then get
+/// [`Limits::request`] to finish.
 pub async fn serve(
     listener: TcpListener,
     state: HttpState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr()
+        && !addr.ip().is_loopback()
+        && state.admin_token.is_none()
+    {
+        tracing::warn!(
+            target: "outbox_relay",
+            %addr,
+            "the dashboard's read-only API is open to anyone who can reach this address: set --admin-token to require it"
+        );
+    }
     tokio::spawn(sample(state.clone(), shutdown.clone()));
+    let limits = state.limits;
+    let api = Router::new()
+        .route("/api/overview", get(overview))
+        .route("/api/parked", get(parked))
+        .route("/api/redrive", post(redrive))
+        // Applied bottom-up: the token is checked first, then a slot is taken.
+        .layer(middleware::from_fn_with_state(state.clone(), limited))
+        .layer(middleware::from_fn_with_state(state.clone(), authorised));
     let app = Router::new()
         .route("/", get(dashboard))
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/api/overview", get(overview))
-        .route("/api/parked", get(parked))
-        .route("/api/redrive", post(redrive))
+        .merge(api)
+        .layer(middleware::from_fn_with_state(state.clone(), timed))
         .with_state(state);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read);
+    let graceful = GracefulShutdown::new();
+    let clients = Arc::new(Semaphore::new(limits.clients));
+    loop {
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait rather than spin.
+                    tracing::warn!(target: "outbox_relay", error = %e, "http accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(client) = clients.clone().try_acquire_owned() else {
+            tracing::debug!(target: "outbox_relay", "http connection refused: too many open");
+            continue; // dropping the stream closes it
+        };
+        let conn =
+            http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(target: "outbox_relay", error = %e, "http connection ended");
+            }
+            drop(client);
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(limits.request, graceful.shutdown()).await;
+    Ok(())
 }
 
-const COUNTS: &str = "SELECT
-    (SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL),
-    (SELECT coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
-       FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL),
-    (SELECT count(*) FROM outbox_events WHERE parked_at IS NOT NULL),
-    extract(epoch FROM now())::float8";
+/// Every request gets [`Limits::request`] from its headers to its response.
+async fn timed(State(state): State<HttpState>, req: Request, next: Next) -> Response {
+    let limit = state.limits.request;
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("request not done within {limit:?}; try again"),
+        ),
+    }
+}
+
+/// At most [`Limits::concurrent_api`] API requests at once; more get 503 at once.
+async fn limited(State(state): State<HttpState>, req: Request, next: Next) -> Response {
+    let Ok(_slot) = state.api_slots.try_acquire() else {
+        let mut r = refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many API requests at once; try again",
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return r;
+    };
+    next.run(req).await
+}
+
+/// With an admin token configured, every API request must carry it.
+async fn authorised(State(state): State<HttpState>, req: Request, next: Next) -> Response {
+    if let Some(expected) = &state.admin_token
+        && !same_token(bearer(req.headers()), expected.expose())
+    {
+        let mut r = refusal(StatusCode::UNAUTHORIZED, "wrong or missing admin token");
+        r.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return r;
+    }
+    next.run(req).await
+}
+
+fn refusal(status: StatusCode, error: &str) -> Response {
+    (status, Json(json!({ "error": error }))).into_response()
+}
+
+/// The bearer token of a request, or "" without one.
+fn bearer(headers: &HeaderMap) -> &str {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+}
 
 async fn sample_once(state: &HttpState) -> Result<Sample, DbError> {
     let client = deadline(state.pool.get()).await?;
-    let row = deadline(client.query_one(COUNTS, &[])).await?;
     Ok(Sample {
-        pending: row.get(0),
-        oldest_pending_seconds: row.get(1),
-        parked: row.get(2),
-        unix: row.get(3),
+        counts: operator::counts(&client).await?,
         dispatched_total: state.telemetry.metrics.dispatched.get(),
     })
+}
+
+/// Takes a sample and keeps it for the chart and the overview.
+async fn sample_and_keep(state: &HttpState) -> Result<Sample, DbError> {
+    let s = sample_once(state).await?;
+    state.telemetry.outbox_sampled(
+        s.counts.pending,
+        s.counts.oldest_pending_seconds,
+        s.counts.parked,
+    );
+    let mut h = state.history.lock().expect("history lock");
+    if h.len() == HISTORY {
+        h.pop_front();
+    }
+    h.push_back(s);
+    Ok(s)
 }
 
 async fn sample(state: HttpState, shutdown: CancellationToken) {
     let mut down = Down::new("dashboard sampler");
     loop {
-        match sample_once(&state).await {
-            Ok(s) => {
+        match sample_and_keep(&state).await {
+            Ok(_) => {
                 down.recovered();
-                state
-                    .telemetry
-                    .outbox_sampled(s.pending, s.oldest_pending_seconds, s.parked);
-                let mut h = state.history.lock().expect("history lock");
-                if h.len() == HISTORY {
-                    h.pop_front();
-                }
-                h.push_back(s);
             }
             Err(e) => down.failed(&e, SAMPLE_EVERY),
         }
@@ -165,22 +338,34 @@ async fn metrics(State(state): State<HttpState>) -> Response {
         .into_response()
 }
 
-fn db_error(e: DbError) -> Response {
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        Json(json!({ "error": e.to_string() })),
-    )
-        .into_response()
+/// A database error: logged; its text goes only to a caller that showed the admin token
+/// (with a token configured, every API caller did), others get a generic message.
+fn db_error(state: &HttpState, e: DbError) -> Response {
+    tracing::warn!(target: "outbox_relay", error = %e, "dashboard API: database request failed");
+    let error = if state.admin_token.is_some() {
+        format!("database: {e}")
+    } else {
+        "the database did not answer this request; the relay's log says why".to_owned()
+    };
+    refusal(StatusCode::SERVICE_UNAVAILABLE, &error)
 }
 
 async fn overview(State(state): State<HttpState>) -> Response {
+    let latest = match state.latest() {
+        Some(s) => Ok(s),
+        None => sample_and_keep(&state).await, // before the sampler's first look
+    };
+    let counts = match latest {
+        Ok(s) => s.counts,
+        Err(e) => return db_error(&state, e),
+    };
     let client = match deadline(state.pool.get()).await {
         Ok(c) => c,
-        Err(e) => return db_error(e),
+        Err(e) => return db_error(&state, e),
     };
-    let mut status = match operator::status(&client).await {
+    let mut status = match operator::status_with(&client, &counts).await {
         Ok(s) => s,
-        Err(e) => return db_error(e),
+        Err(e) => return db_error(&state, e),
     };
     let history: Vec<Value> = state
         .history
@@ -188,12 +373,22 @@ async fn overview(State(state): State<HttpState>) -> Response {
         .expect("history lock")
         .iter()
         .map(|s| {
+            let c = &s.counts;
             json!({
-                "t": s.unix, "pending": s.pending, "oldest_pending_seconds": s.oldest_pending_seconds,
-                "parked": s.parked, "dispatched_total": s.dispatched_total,
+                "t": c.unix, "pending": c.pending, "oldest_pending_seconds": c.oldest_pending_seconds,
+                "parked": c.parked, "dispatched_total": s.dispatched_total,
             })
         })
         .collect();
+    let held = |reason: &'static str| {
+        state
+            .telemetry
+            .metrics
+            .keys_held
+            .get_or_create(&vec![("reason", reason)])
+            .get()
+    };
+    status["this_relay_keys_held"] = json!({ "nack": held("nack"), "returned": held("returned") });
     status["history"] = Value::Array(history);
     status["ready"] = Value::Bool(state.telemetry.health.ready());
     status["health"] = Value::String(state.telemetry.health.describe());
@@ -223,11 +418,11 @@ async fn parked(State(state): State<HttpState>, Query(q): Query<ParkedQuery>) ->
     };
     let client = match deadline(state.pool.get()).await {
         Ok(c) => c,
-        Err(e) => return db_error(e),
+        Err(e) => return db_error(&state, e),
     };
     match operator::parked(&client, &filter, q.limit.unwrap_or(200).clamp(1, 1000)).await {
         Ok(rows) => Json(operator::parked_json(&rows)).into_response(),
-        Err(e) => db_error(e),
+        Err(e) => db_error(&state, e),
     }
 }
 
@@ -246,29 +441,13 @@ fn same_token(given: &str, expected: &str) -> bool {
             == 0
 }
 
-async fn redrive(
-    State(state): State<HttpState>,
-    headers: HeaderMap,
-    Json(body): Json<RedriveBody>,
-) -> Response {
-    let Some(expected) = &state.admin_token else {
-        return (
+/// The token was checked by [`authorised`]; without one configured, nothing is re-driven.
+async fn redrive(State(state): State<HttpState>, Json(body): Json<RedriveBody>) -> Response {
+    if state.admin_token.is_none() {
+        return refusal(
             StatusCode::FORBIDDEN,
-            Json(json!({ "error": "read-only: start the relay with --admin-token to allow re-driving" })),
-        )
-            .into_response();
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if !same_token(given, expected.expose()) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            Json(json!({ "error": "wrong or missing admin token" })),
-        )
-            .into_response();
+            "read-only: start the relay with --admin-token to allow re-driving",
+        );
     }
     if body.ids.is_empty() {
         return (
@@ -283,14 +462,14 @@ async fn redrive(
     };
     let mut client = match deadline(state.pool.get()).await {
         Ok(c) => c,
-        Err(e) => return db_error(e),
+        Err(e) => return db_error(&state, e),
     };
     match operator::redrive(&mut client, &filter, false).await {
         Ok(done) => {
             tracing::info!(target: "outbox_relay", rows = done.rows, keys = done.keys, "re-driven from the dashboard");
             Json(json!({ "redriven": done.rows, "summary": done.summary() })).into_response()
         }
-        Err(e) => db_error(e),
+        Err(e) => db_error(&state, e),
     }
 }
 

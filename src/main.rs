@@ -246,7 +246,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
                     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
                         BadFlag(format!("--http-listen: cannot listen on {addr}: {e}"))
                     })?;
-                    let state = http::HttpState::new(telemetry.clone(), pool.clone(), admin_token);
+                    // Its own pool: no request can hold a connection the relay needs.
+                    let state = http::HttpState::new(telemetry.clone(), &db, &schema, admin_token);
                     Some(tokio::spawn(http::serve(
                         listener,
                         state,

@@ -13,6 +13,8 @@ use uuid::Uuid;
 
 use outbox_kit::db::{DbError, deadline};
 
+use crate::relay::claim::{NACKED, UNROUTABLE};
+
 /// Which parked rows a command is about. Empty fields do not filter.
 #[derive(Clone, Debug, Default)]
 pub struct ParkedFilter {
@@ -50,9 +52,60 @@ impl ParkedFilter {
     }
 }
 
-const PENDING: &str = "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8
-  FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL";
-const PARKED_COUNT: &str = "SELECT count(*) FROM outbox_events WHERE parked_at IS NOT NULL";
+/// Counting pending or parked rows stops here, so a huge backlog costs a bounded read
+/// (about 0.2 s for a million rows); more shows as "at least".
+pub const COUNT_CAP: i64 = 1_000_000;
+/// How many of the oldest pending rows `status` reads to say why rows wait (and, for the
+/// lag, which is the oldest): a bounded walk of the pending index, whatever the backlog.
+pub const LOOKED_AT: i64 = 10_000;
+
+/// Pending and parked rows (each counted up to `$1`), the age of the oldest of the first
+/// `$2` pending rows by id, and the database clock.
+const COUNTS: &str = "SELECT
+    (SELECT count(*) FROM (SELECT FROM outbox_events
+                            WHERE dispatched_at IS NULL AND parked_at IS NULL LIMIT $1) p),
+    (SELECT coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
+       FROM (SELECT created_at FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL
+              ORDER BY id LIMIT $2) o),
+    (SELECT count(*) FROM (SELECT FROM outbox_events WHERE parked_at IS NOT NULL LIMIT $1) p),
+    extract(epoch FROM now())::float8";
+
+/// The figures the dashboard's sampler takes every 2 s and `status` prints.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Counts {
+    /// Pending rows, at most [`COUNT_CAP`].
+    pub pending: i64,
+    pub oldest_pending_seconds: f64,
+    /// Parked rows, at most [`COUNT_CAP`].
+    pub parked: i64,
+    /// The database's clock, unix seconds.
+    pub unix: f64,
+}
+
+impl Counts {
+    /// The counts as JSON, with `*_capped` saying where counting stopped.
+    fn json(&self) -> Value {
+        json!({
+            "pending": self.pending,
+            "pending_capped": self.pending >= COUNT_CAP,
+            "oldest_pending_seconds": self.oldest_pending_seconds,
+            "parked": self.parked,
+            "parked_capped": self.parked >= COUNT_CAP,
+        })
+    }
+}
+
+/// Pending and parked rows and the lag, in one bounded statement.
+pub async fn counts(client: &Client) -> Result<Counts, DbError> {
+    let row = deadline(client.query_one(COUNTS, &[&COUNT_CAP, &LOOKED_AT])).await?;
+    Ok(Counts {
+        pending: row.get(0),
+        oldest_pending_seconds: row.get(1),
+        parked: row.get(2),
+        unix: row.get(3),
+    })
+}
+
 const RECENT: &str = "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NOT NULL AND dispatched_at > now() - interval '1 minute'";
 const RELAYS: &str = "SELECT r.relay_id, r.host, r.pid, r.published,
        extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age,
@@ -62,12 +115,67 @@ const RELAYS: &str = "SELECT r.relay_id, r.host, r.pid, r.published,
                   WHERE p.owner = r.relay_id AND p.lease_until > now()), '{}') AS partitions
   FROM outbox_relays r ORDER BY r.started_at, r.relay_id";
 
+/// Why pending rows wait, from the oldest `$1` pending rows (by id: rows that keep failing
+/// stay at the old end while others flow past): how many of them were looked at; the keys
+/// whose row was last nacked (`last_error` = `$2`) or returned (begins with `$3`), and the
+/// rows of those keys (a held key's later rows wait behind its head); the five
+/// most common `last_error`s with their rows and keys; and up to ten such held keys, most
+/// attempts first. A relay writes `last_error` at each failed attempt.
+const WAITING: &str = "WITH oldest AS MATERIALIZED (
+    SELECT aggregate_type, aggregate_id, attempts, last_error
+      FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL
+     ORDER BY id LIMIT $1
+)
+SELECT (SELECT count(*) FROM oldest),
+       (SELECT count(DISTINCT (aggregate_type, aggregate_id)) FROM oldest WHERE last_error = $2),
+       (SELECT count(DISTINCT (aggregate_type, aggregate_id)) FROM oldest
+         WHERE starts_with(last_error, $3)),
+       (SELECT count(*) FROM oldest
+         WHERE (aggregate_type, aggregate_id) IN (SELECT aggregate_type, aggregate_id FROM oldest
+                                                   WHERE last_error = $2 OR starts_with(last_error, $3))),
+       coalesce((SELECT json_agg(r) FROM (
+           SELECT last_error, count(*) AS rows, count(DISTINCT (aggregate_type, aggregate_id)) AS keys
+             FROM oldest WHERE last_error IS NOT NULL
+            GROUP BY last_error ORDER BY count(*) DESC, last_error LIMIT 5) r), '[]'),
+       coalesce((SELECT json_agg(k) FROM (
+           SELECT aggregate_type, aggregate_id, max(attempts) AS attempts, min(last_error) AS last_error
+             FROM oldest WHERE last_error = $2 OR starts_with(last_error, $3)
+            GROUP BY aggregate_type, aggregate_id
+            ORDER BY max(attempts) DESC, aggregate_type, aggregate_id LIMIT 10) k), '[]')";
+
+/// Why pending rows are not moving, as `status` and the dashboard show it.
+pub async fn waiting(client: &Client) -> Result<Value, DbError> {
+    let row = deadline(client.query_one(WAITING, &[&LOOKED_AT, &NACKED, &UNROUTABLE])).await?;
+    let mut keys: Value = row.get(5);
+    for k in keys.as_array_mut().into_iter().flatten() {
+        let cause = if k["last_error"] == NACKED {
+            "nack"
+        } else {
+            "returned"
+        };
+        k["cause"] = json!(cause);
+    }
+    Ok(json!({
+        "looked_at": row.get::<_, i64>(0),
+        "keys_held": { "nack": row.get::<_, i64>(1), "returned": row.get::<_, i64>(2) },
+        "rows_of_held_keys": row.get::<_, i64>(3),
+        "reasons": row.get::<_, Value>(4),
+        "held_keys": keys,
+    }))
+}
+
 /// A point-in-time view of the outbox, as `status --json` prints it.
 pub async fn status(client: &Client) -> Result<Value, DbError> {
-    let pending = deadline(client.query_one(PENDING, &[])).await?;
-    let parked: i64 = deadline(client.query_one(PARKED_COUNT, &[])).await?.get(0);
+    let counts = counts(client).await?;
+    status_with(client, &counts).await
+}
+
+/// [`status`] with counts taken already (the dashboard's sampler takes them every 2 s, so
+/// a page refresh does not count again).
+pub async fn status_with(client: &Client, counts: &Counts) -> Result<Value, DbError> {
     let recent: i64 = deadline(client.query_one(RECENT, &[])).await?.get(0);
     let relays = deadline(client.query(RELAYS, &[])).await?;
+    let waiting = waiting(client).await?;
     let relays: Vec<Value> = relays
         .iter()
         .map(|r| {
@@ -83,23 +191,30 @@ pub async fn status(client: &Client) -> Result<Value, DbError> {
             })
         })
         .collect();
-    Ok(json!({
-        "pending": pending.get::<_, i64>(0),
-        "oldest_pending_seconds": pending.get::<_, Option<f64>>(1).unwrap_or(0.0),
-        "parked": parked,
-        "dispatched_last_minute": recent,
-        "relays_alive": relays.iter().filter(|r| r["alive"] == true).count(),
-        "relays": relays,
-    }))
+    let mut out = counts.json();
+    out["dispatched_last_minute"] = json!(recent);
+    out["relays_alive"] = json!(relays.iter().filter(|r| r["alive"] == true).count());
+    out["relays"] = Value::Array(relays);
+    out["waiting"] = waiting;
+    Ok(out)
+}
+
+/// A count as `status` prints it: `at least N` where counting stopped.
+fn count_text(s: &Value, name: &str) -> String {
+    if s[format!("{name}_capped")] == true {
+        format!("at least {} (counting stops there)", s[name])
+    } else {
+        s[name].to_string()
+    }
 }
 
 /// The text form of [`status`].
 pub fn status_text(s: &Value) -> String {
     let mut out = format!(
         "pending                 {}\noldest pending          {:.1}s\nparked                  {}\ndispatched, last minute {}\nrelays alive            {}\n",
-        s["pending"],
+        count_text(s, "pending"),
         s["oldest_pending_seconds"].as_f64().unwrap_or(0.0),
-        s["parked"],
+        count_text(s, "parked"),
         s["dispatched_last_minute"],
         s["relays_alive"]
     );
@@ -124,6 +239,48 @@ pub fn status_text(s: &Value) -> String {
             } else {
                 " (not alive)"
             },
+        ));
+    }
+    out.push_str(&waiting_text(
+        &s["waiting"],
+        s["pending"].as_i64().unwrap_or(0),
+    ));
+    out
+}
+
+/// The "why pending rows wait" part of [`status_text`].
+fn waiting_text(w: &Value, pending: i64) -> String {
+    if pending == 0 {
+        return String::new();
+    }
+    let looked_at = w["looked_at"].as_i64().unwrap_or(0);
+    let mut out =
+        format!("why pending rows wait (the oldest {looked_at} pending rows looked at):\n");
+    let reasons = w["reasons"].as_array().cloned().unwrap_or_default();
+    if reasons.is_empty() {
+        out.push_str(
+            "  none of them has failed: waiting for their turn, for available_at, or for a relay to lease their partition\n",
+        );
+    }
+    for r in &reasons {
+        out.push_str(&format!(
+            "  {} row(s) of {} key(s): {}\n",
+            r["rows"],
+            r["keys"],
+            r["last_error"].as_str().unwrap_or_default()
+        ));
+    }
+    out.push_str(&format!(
+        "keys held: {} by nacks (retried with backoff until the broker takes them), {} by returns (no queue bound: parked after --max-attempts); {} of the rows looked at are theirs\n",
+        w["keys_held"]["nack"], w["keys_held"]["returned"], w["rows_of_held_keys"]
+    ));
+    for k in w["held_keys"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "  {}/{} ({}, {} attempt(s))\n",
+            k["aggregate_type"].as_str().unwrap_or_default(),
+            k["aggregate_id"].as_str().unwrap_or_default(),
+            k["cause"].as_str().unwrap_or_default(),
+            k["attempts"]
         ));
     }
     out

@@ -48,6 +48,7 @@ pub struct Metrics {
     pub parked_rows: Gauge,
     pub leased_partitions: Gauge,
     pub in_flight: Gauge,
+    pub keys_held: Family<Labels, Gauge>,
     pub retention_deleted: Counter,
 }
 
@@ -74,6 +75,7 @@ impl Default for Metrics {
             parked_rows: Gauge::default(),
             leased_partitions: Gauge::default(),
             in_flight: Gauge::default(),
+            keys_held: Family::default(),
             retention_deleted: Counter::default(),
         };
         let r = &mut m.registry;
@@ -167,6 +169,14 @@ impl Default for Metrics {
             "Messages published and not yet settled",
             m.in_flight.clone(),
         );
+        r.register(
+            "outbox_keys_held",
+            "Keys of this relay whose next row the broker last nacked or returned, by reason (nack, returned)",
+            m.keys_held.clone(),
+        );
+        for reason in ["nack", "returned"] {
+            m.keys_held.get_or_create(&vec![("reason", reason)]).set(0); // shown from the start
+        }
         r.register(
             "outbox_retention_deleted_rows",
             "Dispatched rows deleted by --retention",
@@ -428,6 +438,17 @@ impl Telemetry {
     ) {
         info!(target: "outbox_relay", held, gained, lost, fair_share, relays_alive, "partition leases changed");
         self.metrics.leased_partitions.set(held as i64);
+    }
+
+    /// Keys held up by a row the broker keeps nacking or returning (set after every wake-up
+    /// of the engine; a gauge, so no log).
+    pub fn keys_held(&self, nack: usize, returned: usize) {
+        for (reason, n) in [("nack", nack), ("returned", returned)] {
+            self.metrics
+                .keys_held
+                .get_or_create(&vec![("reason", reason)])
+                .set(n as i64);
+        }
     }
 
     pub fn wakeup_hint(&self, wanted: bool) {

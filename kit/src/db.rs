@@ -145,6 +145,16 @@ impl DbTarget {
     /// outbox schema, a statement_timeout under the client's deadline, an application_name
     /// operators can find, and connect/keepalive limits.
     fn session_config(&self, schema: &Schema, application_name: &str) -> tokio_postgres::Config {
+        self.session_config_with(schema, application_name, STATEMENT_TIMEOUT)
+    }
+
+    /// [`DbTarget::session_config`] with another statement_timeout.
+    fn session_config_with(
+        &self,
+        schema: &Schema,
+        application_name: &str,
+        statement_timeout: Duration,
+    ) -> tokio_postgres::Config {
         let mut config = self.config.clone();
         if config.get_application_name().is_none() {
             config.application_name(application_name);
@@ -159,7 +169,7 @@ impl DbTarget {
         if !existing.contains("statement_timeout") {
             ours = format!(
                 "{ours} -c statement_timeout={}",
-                STATEMENT_TIMEOUT.as_millis()
+                statement_timeout.as_millis()
             );
         }
         let options = if existing.is_empty() {
@@ -173,8 +183,25 @@ impl DbTarget {
 
     /// A pool of connections with `search_path` set to `schema`.
     pub fn pool(&self, schema: &Schema, application_name: &str, size: usize) -> Pool {
+        self.pool_with_statement_timeout(schema, application_name, size, STATEMENT_TIMEOUT)
+    }
+
+    /// [`DbTarget::pool`] whose sessions stop a statement after `statement_timeout` (at
+    /// most the 25 s every other session has; a connection string's own setting wins).
+    /// The relay's HTTP endpoint reads through such a pool of its own.
+    pub fn pool_with_statement_timeout(
+        &self,
+        schema: &Schema,
+        application_name: &str,
+        size: usize,
+        statement_timeout: Duration,
+    ) -> Pool {
         let manager = Manager::from_config(
-            self.session_config(schema, application_name),
+            self.session_config_with(
+                schema,
+                application_name,
+                statement_timeout.min(STATEMENT_TIMEOUT),
+            ),
             self.tls.connector(),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,

@@ -124,7 +124,7 @@ pub async fn run(
     let relay_pool = target.pool(&cfg.schema, "outbox-relay", 8);
     let stop_http = CancellationToken::new();
     if let Some(listener) = listener {
-        let state = crate::http::HttpState::new(telemetry.clone(), relay_pool.clone(), None);
+        let state = crate::http::HttpState::new(telemetry.clone(), &target, &cfg.schema, None);
         tokio::spawn(crate::http::serve(listener, state, stop_http.clone()));
     }
     let mut relay_config = RelayConfig::new(&cfg.exchange);

@@ -229,6 +229,12 @@ pub(crate) async fn mark_dispatched<'a>(
     deadline(client.execute(&stmt, &[&ids, &seqs])).await
 }
 
+/// `last_error` of a row the broker nacked; `status` and the dashboard find the keys
+/// nacks hold by it.
+pub const NACKED: &str = "nacked by the broker";
+/// How `last_error` of a row returned as unroutable begins.
+pub const UNROUTABLE: &str = "unroutable:";
+
 /// How a failed attempt counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum FailureKind {

@@ -224,6 +224,8 @@ impl Engine {
         if expired > 0 {
             self.tel.leases_changed(self.leases.len(), 0, expired, 0, 0);
         }
+        let held = self.hand.held_keys();
+        self.tel.keys_held(held.nack, held.returned);
 
         if self.session.is_none()
             && !self.connecting

@@ -53,6 +53,35 @@ enum Head {
     Recording,
 }
 
+/// Why a key's head row keeps failing, when the broker said so: the key is held up by it
+/// until that row goes through (or is parked), and operators see it (`outbox_keys_held`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// The broker nacked the head row (a full queue with `reject-publish`, a queue without
+    /// its leader): retried with backoff for as long as it takes, never parked for it.
+    Nack,
+    /// The broker returned it as unroutable: parked after `--max-attempts`.
+    Returned,
+}
+
+/// How many keys are held, by cause.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HeldKeys {
+    pub(crate) nack: usize,
+    pub(crate) returned: usize,
+}
+
+impl HeldKeys {
+    fn count(&mut self, held: Option<Held>, delta: isize) {
+        let slot = match held {
+            Some(Held::Nack) => &mut self.nack,
+            Some(Held::Returned) => &mut self.returned,
+            None => return,
+        };
+        *slot = slot.saturating_add_signed(delta);
+    }
+}
+
 #[derive(Debug)]
 struct KeyQueue {
     rows: VecDeque<ClaimedRow>,
@@ -60,6 +89,17 @@ struct KeyQueue {
     partition: u8,
     /// The last claim returned a full prefix for this key: more may be pending behind it.
     maybe_more: bool,
+    /// The head's last failure, when it was a nack or a return; cleared when the head leaves.
+    held: Option<Held>,
+}
+
+impl KeyQueue {
+    /// Sets why the head is held, keeping `counts` in step.
+    fn hold(&mut self, counts: &mut HeldKeys, held: Option<Held>) {
+        counts.count(self.held, -1);
+        counts.count(held, 1);
+        self.held = held;
+    }
 }
 
 /// What a claim's rows did to the hand.
@@ -91,6 +131,8 @@ pub(crate) struct Hand {
     in_flight: usize,
     /// Set while a claim is running: what left the hand meanwhile.
     claim_filter: Option<ClaimFilter>,
+    /// Keys whose head the broker last nacked or returned.
+    held_keys: HeldKeys,
 }
 
 /// What left the hand while a claim ran (its snapshot may predate those writes).
@@ -119,6 +161,11 @@ impl Hand {
 
     pub(crate) fn awaiting_mark(&self) -> usize {
         self.awaiting_mark
+    }
+
+    /// Keys held up by a head the broker last nacked or returned.
+    pub(crate) fn held_keys(&self) -> HeldKeys {
+        self.held_keys
     }
 
     /// Row `id` is held (only the tests ask; the claim gets all held ids at once).
@@ -164,6 +211,7 @@ impl Hand {
                 head: Head::Ready,
                 partition,
                 maybe_more: false,
+                held: None,
             });
             if queue.rows.back().is_some_and(|last| last.seq >= row.seq) {
                 // Claims return a key's rows in seq order and new rows number after held
@@ -233,6 +281,7 @@ impl Hand {
         };
         self.in_flight -= 1;
         queue.rows.pop_front();
+        queue.hold(&mut self.held_keys, None);
         self.awaiting_mark += 1;
         self.advance(key)
     }
@@ -256,9 +305,16 @@ impl Hand {
 
     /// The key's head failed to publish; the engine records the failure.
     pub(crate) fn failed(&mut self, key: &Key, id: i64) {
+        self.failed_because(key, id, None);
+    }
+
+    /// As [`Hand::failed`], with why when the broker said so (`None`: a timeout or a lost
+    /// channel, which say nothing about the row).
+    pub(crate) fn failed_because(&mut self, key: &Key, id: i64, held: Option<Held>) {
         if let Some(queue) = head_in(&mut self.keys, key, id, Head::InFlight) {
             self.in_flight -= 1;
             queue.head = Head::Recording;
+            queue.hold(&mut self.held_keys, held);
         }
     }
 
@@ -292,6 +348,7 @@ impl Hand {
         };
         let row = queue.rows.pop_front().expect("head exists");
         queue.head = Head::Ready; // whatever is behind it has not been published
+        queue.hold(&mut self.held_keys, None);
         if self.forget(row.id, row.body_bytes) {
             self.finished(row.id);
         }
@@ -342,6 +399,9 @@ impl Hand {
             return;
         };
         let keep_head = queue.head == Head::InFlight || queue.head == Head::Recording;
+        if !keep_head {
+            queue.hold(&mut self.held_keys, None);
+        }
         let head = if keep_head {
             queue.rows.pop_front()
         } else {

@@ -89,7 +89,8 @@ async fn a_parked_row_is_redriven_from_the_page() {
     let relay = InProcessRelay::start_with(deps, config, &relay_id);
     let endpoint = Endpoint::start(HttpState::new(
         telemetry.clone(),
-        pool,
+        &db.target,
+        &db.schema,
         Some(Secret::new(TOKEN)),
     ))
     .await;
@@ -112,6 +113,16 @@ async fn a_parked_row_is_redriven_from_the_page() {
 
     let browser = Browser::start().await;
     let page = browser.open(&endpoint.url).await;
+    // With a token configured the API wants it for reading too: the page asks for it.
+    page.wait_until(
+        "the page asking for the token",
+        "!document.getElementById('need-token').hidden
+         && document.getElementById('token-form').checkVisibility()
+         && document.getElementById('error').textContent.includes('401')",
+        Duration::from_secs(15),
+    )
+    .await;
+    page.type_into("#token", TOKEN).await;
     let row_text = page
         .wait_until(
             "the parked row on the page",
@@ -276,7 +287,23 @@ async fn without_a_token_the_page_is_read_only_and_errors_show() {
         )
         .await
         .unwrap();
-    let endpoint = Endpoint::start(HttpState::new(Telemetry::default(), db.pool(), None)).await;
+    // Pending, returned three times so far (as a relay would have recorded it).
+    client
+        .execute(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, attempts, last_error)
+             VALUES ('ghost', 'g3', 'haunted', '{}', 3,
+                     'unroutable: exchange ''outbox.events'' has no queue bound for routing key ''ghost.haunted''')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let endpoint = Endpoint::start(HttpState::new(
+        Telemetry::default(),
+        &db.target,
+        &db.schema,
+        None,
+    ))
+    .await;
 
     let browser = Browser::start().await;
     let page = browser.open(&endpoint.url).await;
@@ -286,6 +313,22 @@ async fn without_a_token_the_page_is_read_only_and_errors_show() {
         Duration::from_secs(15),
     )
     .await;
+    let waiting = page
+        .wait_until(
+            "why the pending row waits",
+            "document.getElementById('waiting').checkVisibility()
+             && document.getElementById('held-returned').textContent === '1'
+             && document.getElementById('waiting-reasons').textContent",
+            Duration::from_secs(15),
+        )
+        .await;
+    assert!(
+        waiting
+            .as_str()
+            .unwrap()
+            .contains("no queue bound for routing key 'ghost.haunted'"),
+        "{waiting}"
+    );
     assert_eq!(
         page.eval(
             "[document.getElementById('read-only').checkVisibility(),
@@ -317,7 +360,8 @@ async fn without_a_token_the_page_is_read_only_and_errors_show() {
     let missing = db.target.with_dbname(&unique("it_missing"));
     let broken = Endpoint::start(HttpState::new(
         Telemetry::default(),
-        missing.pool(&db.schema, "outbox-relay", 1),
+        &missing,
+        &db.schema,
         None,
     ))
     .await;
@@ -330,5 +374,9 @@ async fn without_a_token_the_page_is_read_only_and_errors_show() {
         )
         .await;
     assert!(error.as_str().unwrap().contains("503"), "{error}");
+    assert!(
+        !error.as_str().unwrap().contains("does not exist"),
+        "no database text for a caller without the token: {error}"
+    );
     browser.close().await;
 }

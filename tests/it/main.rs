@@ -11,6 +11,7 @@ mod demo;
 mod deploy;
 mod docs;
 mod effects;
+mod http_api;
 mod layout;
 mod migrate;
 mod notifications;

@@ -39,7 +39,12 @@ impl Served {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr: SocketAddr = listener.local_addr().unwrap();
         let stop_http = CancellationToken::new();
-        let state = HttpState::new(telemetry.clone(), pool.clone(), token.map(Secret::new));
+        let state = HttpState::new(
+            telemetry.clone(),
+            &db.target,
+            &db.schema,
+            token.map(Secret::new),
+        );
         tokio::spawn(http::serve(listener, state, stop_http.clone()));
         let deps = Deps {
             pool,

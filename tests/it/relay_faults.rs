@@ -3,13 +3,11 @@
 use std::time::Duration;
 
 use lapin::options::QueueDeleteOptions;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::support::checker::check;
 use crate::support::process::{RelayProcess, run_to_end};
 use crate::support::{
-    Broker, InProcessRelay, TestDb, close_connections, declare_bound_queue, test_config, unique,
-    wait_for,
+    Broker, InProcessRelay, TestDb, close_connections, test_config, unique, wait_for,
 };
 
 fn relay_args(db: &TestDb, broker: &Broker, extra: &[&str]) -> Vec<String> {
@@ -166,15 +164,7 @@ async fn sigterm_mid_stream_exits_cleanly_and_publishes_nothing_twice() {
 async fn a_session_that_only_gets_nacks_is_replaced() {
     let db = TestDb::new().await;
     let broker = Broker::new("#").await;
-    let full = format!("{}.full", broker.exchange);
-    let ch = broker.conn.create_channel().await.unwrap();
-    let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-max-length"), AMQPValue::LongLongInt(0));
-    args.insert(
-        ShortString::from("x-overflow"),
-        AMQPValue::LongString(LongString::from("reject-publish")),
-    );
-    declare_bound_queue(&ch, &full, &broker.exchange, "#", args).await;
+    let (ch, full) = broker.refusing_queue().await;
     let client = db.client().await;
     let committed = db.insert(&client, 500, 100).await;
     let mut relay = RelayProcess::start(&unique("nacked"), &relay_args(&db, &broker, &[]));

@@ -9,8 +9,8 @@ use tokio::time::Instant;
 
 use super::Engine;
 use crate::relay::OnPark;
-use crate::relay::claim::{Failure, FailureKind, Recorded};
-use crate::relay::hand::{Hand, Key};
+use crate::relay::claim::{Failure, FailureKind, NACKED, Recorded, UNROUTABLE};
+use crate::relay::hand::{Hand, Held, Key};
 use crate::relay::publish::{Outcome, SettledBatch};
 use crate::telemetry::SettledCounts;
 
@@ -30,7 +30,7 @@ impl Engine {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         for s in batch {
-            let (reason, kind) = match s.outcome {
+            let (reason, kind, held) = match s.outcome {
                 Outcome::Acked(acked) => {
                     counts.acked += 1;
                     self.published += 1;
@@ -56,21 +56,23 @@ impl Engine {
                         .unwrap_or_default();
                     (
                         format!(
-                            "unroutable: exchange '{}' has no queue bound for routing key '{rk}' ({reply_code} {reply_text})",
+                            "{UNROUTABLE} exchange '{}' has no queue bound for routing key '{rk}' ({reply_code} {reply_text})",
                             self.cfg.exchange
                         ),
                         FailureKind::Permanent,
+                        Some(Held::Returned),
                     )
                 }
                 Outcome::Nacked => {
                     counts.nacked += 1;
-                    ("nacked by the broker".to_owned(), FailureKind::Transient)
+                    (NACKED.to_owned(), FailureKind::Transient, Some(Held::Nack))
                 }
                 Outcome::TimedOut => {
                     counts.timed_out += 1;
                     (
                         format!("no confirm within {:?}", self.cfg.confirm_timeout),
                         FailureKind::Transient,
+                        None,
                     )
                 }
                 Outcome::Lost(why) => {
@@ -78,10 +80,11 @@ impl Engine {
                     (
                         format!("channel lost before the confirm: {why}"),
                         FailureKind::Transient,
+                        None,
                     )
                 }
             };
-            self.hand.failed(&s.key, s.row_id);
+            self.hand.failed_because(&s.key, s.row_id, held);
             self.failures.push((
                 s.key,
                 Failure {

@@ -224,3 +224,56 @@ fn a_drained_full_prefix_asks_for_a_claim() {
     hand.next_ready(|_| true);
     assert_eq!(hand.acked(&key("a"), 1), Released { wants_claim: true });
 }
+
+/// `outbox_keys_held`: a key counts as held by a nack or a return from that failure until
+/// its head goes through, is parked, or leaves the hand; across retries of the same row.
+#[test]
+fn keys_held_by_nacks_and_returns_are_counted_until_the_head_leaves() {
+    let held = |n, r| HeldKeys {
+        nack: n,
+        returned: r,
+    };
+    let mut hand = Hand::default();
+    hand.claim_started();
+    let mut other = row(3, "c", 1);
+    other.partition = 7;
+    hand.claim_returned(vec![row(1, "a", 1), row(2, "b", 1), other], &none());
+    for _ in 0..3 {
+        hand.next_ready(|_| true);
+    }
+    hand.failed_because(&key("a"), 1, Some(Held::Nack));
+    hand.failed_because(&key("b"), 2, Some(Held::Returned));
+    hand.failed_because(&key("c"), 3, Some(Held::Nack));
+    assert_eq!(hand.held_keys(), held(2, 1));
+    // Retried and nacked again: still one key.
+    hand.wait_retry(&key("a"), 1);
+    hand.retry_due(&key("a"));
+    assert_eq!(hand.next_ready(|_| true).unwrap().id, 1);
+    assert_eq!(
+        hand.held_keys(),
+        held(2, 1),
+        "held while the retry is in flight"
+    );
+    hand.failed_because(&key("a"), 1, Some(Held::Nack));
+    assert_eq!(hand.held_keys(), held(2, 1));
+    // A timeout says nothing about the row.
+    hand.wait_retry(&key("a"), 1);
+    hand.retry_due(&key("a"));
+    hand.next_ready(|_| true);
+    hand.failed(&key("a"), 1);
+    assert_eq!(hand.held_keys(), held(1, 1));
+    hand.wait_retry(&key("a"), 1);
+    hand.retry_due(&key("a"));
+    hand.next_ready(|_| true);
+    hand.failed_because(&key("a"), 1, Some(Held::Nack));
+    hand.wait_retry(&key("a"), 1);
+    hand.retry_due(&key("a"));
+    hand.next_ready(|_| true);
+    hand.acked(&key("a"), 1);
+    assert_eq!(hand.held_keys(), held(1, 1), "acked: the key goes on");
+    hand.parked(&key("b"), 2, true);
+    assert_eq!(hand.held_keys(), held(1, 0), "parked");
+    hand.wait_retry(&key("c"), 3);
+    hand.drop_partition(7);
+    assert_eq!(hand.held_keys(), held(0, 0), "the lease was lost");
+}

@@ -36,7 +36,7 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Connection, ExchangeKind};
 use outbox_kit::amqp::AmqpTarget;
 use outbox_kit::contract::Schema;
@@ -488,6 +488,22 @@ impl Broker {
 
     pub fn count(&self) -> usize {
         self.received.lock().unwrap().len()
+    }
+
+    /// A second queue bound to everything that refuses every message (x-max-length 0,
+    /// overflow reject-publish), so the broker nacks each publish; deleting it (through the
+    /// returned channel) ends the nacks. Returns the channel and the queue's name.
+    pub async fn refusing_queue(&self) -> (lapin::Channel, String) {
+        let full = format!("{}.full", self.exchange);
+        let ch = self.conn.create_channel().await.unwrap();
+        let mut args = FieldTable::default();
+        args.insert(ShortString::from("x-max-length"), AMQPValue::LongLongInt(0));
+        args.insert(
+            ShortString::from("x-overflow"),
+            AMQPValue::LongString(LongString::from("reject-publish")),
+        );
+        declare_bound_queue(&ch, &full, &self.exchange, "#", args).await;
+        (ch, full)
     }
 
     /// Binds another routing key to the test queue.
