@@ -112,8 +112,10 @@ async fn template() -> &'static str {
         .get_or_init(|| async {
             let admin = admin().await;
             // Another test process may be building it too: serialize on an advisory lock.
+            // Building it can take longer than the kit's statement timeout on a busy
+            // machine, so this wait has none.
             admin
-                .execute("SELECT pg_advisory_lock(4242)", &[])
+                .batch_execute("SET statement_timeout = 0; SELECT pg_advisory_lock(4242)")
                 .await
                 .unwrap();
             let checksum: String = outbox_kit::schema::MIGRATIONS
