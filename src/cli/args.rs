@@ -293,8 +293,9 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_MAX_MESSAGE_BYTES", default_value = "1048576")]
     pub max_message_bytes: String,
 
-    /// How long a SIGTERM waits for in-flight confirms before exiting.
-    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "10s")]
+    /// How long a SIGTERM waits for in-flight confirms and their marks before exiting;
+    /// must be longer than --confirm-timeout.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "20s")]
     pub shutdown_timeout: String,
 
     /// How long to wait for the broker's confirm of one message (and how long a session

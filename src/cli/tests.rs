@@ -82,7 +82,31 @@ fn defaults_are_valid() {
     assert_eq!(relay.late_commit_window, Duration::from_millis(100));
     assert_eq!(relay.max_attempts.get(), 10);
     assert_eq!(relay.max_message_bytes.get(), 1 << 20);
+    assert!(relay.shutdown_timeout > relay.confirm_timeout);
     assert_eq!(schema.as_str(), "public");
+}
+
+/// A shutdown that waits less than one confirm may take leaves acked rows unmarked (they are
+/// published again): the pair is checked, and the defaults pass.
+#[test]
+fn shutdown_timeout_must_outlast_the_confirm_timeout() {
+    for args in [
+        &["--shutdown-timeout", "10s"][..],
+        &["--shutdown-timeout", "15s"],
+        &["--confirm-timeout", "30s"],
+        &["--shutdown-timeout", "5s", "--confirm-timeout", "5s"],
+    ] {
+        let err = run_config(args).unwrap_err();
+        assert_eq!(err.flag, "--shutdown-timeout", "{args:?}");
+        assert!(err.problem.contains("--confirm-timeout"), "{}", err.problem);
+    }
+    for args in [
+        &["--shutdown-timeout", "16s"][..],
+        &["--shutdown-timeout", "6s", "--confirm-timeout", "5s"],
+        &["--shutdown-timeout", "1m", "--confirm-timeout", "30s"],
+    ] {
+        assert!(run_config(args).is_ok(), "{args:?}");
+    }
 }
 
 #[test]

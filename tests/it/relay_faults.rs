@@ -214,6 +214,10 @@ async fn bad_configuration_exits_2_with_one_line() {
         (vec!["run", "--amqp-url", "mqtt://x"], "--amqp-url"),
         (vec!["run", "--poll-interval", "often"], "--poll-interval"),
         (vec!["run", "--schema", "Robert'); DROP"], "--schema"),
+        (
+            vec!["run", "--shutdown-timeout", "10s"],
+            "--shutdown-timeout",
+        ),
         (vec!["run", "--no-such-flag"], "--no-such-flag"),
     ] {
         let (code, _out, err) = run_to_end(&args, &[]).await;
