@@ -90,12 +90,16 @@ pub async fn serve(
         .await
 }
 
-const COUNTS: &str = "SELECT
-    (SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL),
-    (SELECT coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
-       FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL),
+/// Pending rows and the lag: how long the oldest due row has been due (since `available_at`,
+/// or `created_at` when that is later), so rows delayed into the future do not look like a
+/// stuck relay. One pass over the pending index for both figures.
+const COUNTS: &str = "SELECT p.pending, p.oldest_due,
     (SELECT count(*) FROM outbox_events WHERE parked_at IS NOT NULL),
-    extract(epoch FROM now())::float8";
+    extract(epoch FROM now())::float8
+  FROM (SELECT count(*) AS pending,
+               coalesce(extract(epoch FROM now() - min(greatest(created_at, available_at))
+                          FILTER (WHERE available_at <= now()))::float8, 0) AS oldest_due
+          FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL) p";
 
 async fn sample_once(state: &HttpState) -> Result<Sample, DbError> {
     let client = deadline(state.pool.get()).await?;

@@ -50,7 +50,11 @@ impl ParkedFilter {
     }
 }
 
-const PENDING: &str = "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8
+/// Pending rows, and how long the oldest due one has been due (rows delayed into the future
+/// do not count: they are not late).
+const PENDING: &str = "SELECT count(*),
+       extract(epoch FROM now() - min(greatest(created_at, available_at))
+                 FILTER (WHERE available_at <= now()))::float8
   FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL";
 const PARKED_COUNT: &str = "SELECT count(*) FROM outbox_events WHERE parked_at IS NOT NULL";
 const RECENT: &str = "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NOT NULL AND dispatched_at > now() - interval '1 minute'";
