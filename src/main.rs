@@ -6,11 +6,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
 use clap::error::ErrorKind;
 mod cli;
 
-use cli::{Cli, Command, Config, LogFormat, SecretFiles};
+use cli::{Cli, Command, Config, SecretFiles};
 use outbox_kit::backoff::Backoff;
 use outbox_kit::contract::Schema;
 use outbox_kit::db::DbTarget;
@@ -22,10 +21,9 @@ use outbox_relay::operator;
 use outbox_relay::relay::{self, Deps};
 use outbox_relay::telemetry::{self, Telemetry};
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::parse_args(std::env::args_os()) {
         Ok(cli) => cli,
         Err(e) => return clap_exit(e),
     };
@@ -34,7 +32,8 @@ fn main() -> ExitCode {
         Command::Demo(_) => "warn,lapin=error",
         _ => "info,lapin=error",
     };
-    init_logging(cli.log_format, default_filter);
+    let rust_log = std::env::var("RUST_LOG").ok();
+    cli::logging::init(cli.log_format, default_filter, rust_log.as_deref());
     // Secrets may come from files (DATABASE_URL_FILE, ...); the names are read here, once.
     let files = SecretFiles {
         database_url: std::env::var_os("DATABASE_URL_FILE").map(Into::into),
@@ -96,25 +95,6 @@ fn clap_exit(e: clap::Error) -> ExitCode {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct BadFlag(String);
-
-fn init_logging(format: LogFormat, default_filter: &str) {
-    // lapin logs returned messages (payload included) at warn: keep it to errors; the
-    // relay reports every such event itself.
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    // Colour only on a terminal: a file, a pipe or a container's log collector gets plain
-    // text. NO_COLOR (https://no-color.org) turns colour off on a terminal too.
-    use std::io::IsTerminal;
-    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
-}
 
 fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();

@@ -59,13 +59,16 @@ pub const COUNT_CAP: i64 = 1_000_000;
 /// lag, which is the oldest): a bounded walk of the pending index, whatever the backlog.
 pub const LOOKED_AT: i64 = 10_000;
 
-/// Pending and parked rows (each counted up to `$1`), the age of the oldest of the first
-/// `$2` pending rows by id, and the database clock.
+/// Pending and parked rows (each counted up to `$1`), how long the oldest due row among the
+/// first `$2` pending rows by id has been due (since `available_at`, or `created_at` when that
+/// is later: rows delayed into the future are not late), and the database clock.
 const COUNTS: &str = "SELECT
     (SELECT count(*) FROM (SELECT FROM outbox_events
                             WHERE dispatched_at IS NULL AND parked_at IS NULL LIMIT $1) p),
-    (SELECT coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
-       FROM (SELECT created_at FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL
+    (SELECT coalesce(extract(epoch FROM now() - min(greatest(created_at, available_at))
+                                  FILTER (WHERE available_at <= now()))::float8, 0)
+       FROM (SELECT created_at, available_at FROM outbox_events
+              WHERE dispatched_at IS NULL AND parked_at IS NULL
               ORDER BY id LIMIT $2) o),
     (SELECT count(*) FROM (SELECT FROM outbox_events WHERE parked_at IS NOT NULL LIMIT $1) p),
     extract(epoch FROM now())::float8";

@@ -151,7 +151,7 @@ impl Default for Metrics {
         );
         r.register(
             "outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending row",
+            "How long the oldest due pending row has been due (delayed rows count from available_at)",
             m.oldest_pending_age.clone(),
         );
         r.register(

@@ -128,15 +128,21 @@ impl AmqpTarget {
 
     /// Connects to the first URL that answers, starting with the one that last worked.
     pub async fn connect(&self, name: &str) -> Result<Connection, AmqpError> {
+        Ok(self.connect_node(name).await?.0)
+    }
+
+    /// [`AmqpTarget::connect`], also saying which node of the list (its index) answered, for
+    /// [`AmqpTarget::give_up_on`].
+    pub async fn connect_node(&self, name: &str) -> Result<(Connection, usize), AmqpError> {
         use std::sync::atomic::Ordering;
-        let start = self.next.load(Ordering::Relaxed);
+        let start = self.preferred_node();
         let mut last = None;
         for i in 0..self.uris.len() {
             let at = (start + i) % self.uris.len();
             match self.connect_to(&self.uris[at], name).await {
                 Ok(conn) => {
                     self.next.store(at, Ordering::Relaxed);
-                    return Ok(conn);
+                    return Ok((conn, at));
                 }
                 Err(e) => {
                     if self.uris.len() > 1 {
@@ -149,6 +155,23 @@ impl AmqpTarget {
         self.next
             .store((start + 1) % self.uris.len(), Ordering::Relaxed);
         Err(last.expect("at least one URL"))
+    }
+
+    /// The node (index into the list) the next connect tries first: the one that last
+    /// worked, unless it was given up on.
+    pub fn preferred_node(&self) -> usize {
+        self.next.load(std::sync::atomic::Ordering::Relaxed) % self.uris.len()
+    }
+
+    /// A session on `node` was given up although the node answers (it refused every publish
+    /// for a confirm timeout): the next connect starts with the node after it, and comes back
+    /// to `node` only after the others. Does nothing if a connect has moved on meanwhile.
+    pub fn give_up_on(&self, node: usize) {
+        use std::sync::atomic::Ordering;
+        let after = (node + 1) % self.uris.len();
+        let _ = self
+            .next
+            .compare_exchange(node, after, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     async fn connect_to(&self, uri: &AMQPUri, name: &str) -> Result<Connection, AmqpError> {
@@ -170,6 +193,18 @@ impl AmqpTarget {
         Ok(conn)
     }
 }
+
+/// lapin's log targets that print message bodies (users' data), each with the most verbose
+/// level at which it does not: `lapin::returned_messages` logs every returned message, body
+/// included, at WARN; `lapin::channels` and `lapin::frames` dump frames, bodies included, at
+/// TRACE. The relay caps them whatever `RUST_LOG` says unless a directive names the target;
+/// a service running the consumer kit should cap them in its own log filter
+/// (`lapin::returned_messages=error,lapin::channels=debug,lapin::frames=debug`).
+pub const PAYLOAD_LOG_TARGETS: [(&str, tracing::Level); 3] = [
+    ("lapin::returned_messages", tracing::Level::ERROR),
+    ("lapin::channels", tracing::Level::DEBUG),
+    ("lapin::frames", tracing::Level::DEBUG),
+];
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 const RPC_TIMEOUT: Duration = Duration::from_secs(15);
@@ -268,6 +303,31 @@ mod tests {
             AmqpTarget::parse("amqp://a/%2f,").is_err(),
             "no empty entries"
         );
+    }
+
+    /// After a success the next connect starts with that node; a node given up on (it nacked
+    /// everything) is tried after the others, wrapping around the list; a stale give-up
+    /// (another node already preferred) changes nothing.
+    #[test]
+    fn a_node_given_up_on_is_tried_after_the_others() {
+        use std::sync::atomic::Ordering;
+        let t = AmqpTarget::parse("amqp://a/%2f,amqp://b/%2f,amqp://c/%2f").unwrap();
+        assert_eq!(t.preferred_node(), 0);
+        t.next.store(1, Ordering::Relaxed); // b worked last
+        assert_eq!(t.preferred_node(), 1);
+        t.give_up_on(1);
+        assert_eq!(
+            t.preferred_node(),
+            2,
+            "the next node, not the one that nacked"
+        );
+        t.give_up_on(1);
+        assert_eq!(t.preferred_node(), 2, "a stale give-up changes nothing");
+        t.give_up_on(2);
+        assert_eq!(t.preferred_node(), 0, "wraps around");
+        let single = AmqpTarget::parse("amqp://a/%2f").unwrap();
+        single.give_up_on(0);
+        assert_eq!(single.preferred_node(), 0, "one node: nothing else to try");
     }
 
     #[test]

@@ -2,7 +2,10 @@
 //! checking (parsing them is `config.rs`'s job, so a bad value names its flag in our own
 //! words). Every flag also reads an environment variable; these types never leave the binary.
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::ffi::OsString;
+
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -29,6 +32,33 @@ pub struct Cli {
         default_value = "text"
     )]
     pub log_format: LogFormat,
+}
+
+impl Cli {
+    /// The command line with every boolean flag (`--no-declare`, `--cloudevents`, ...)
+    /// reading its environment variable the usual ways: `1`/`0`, `true`/`false`,
+    /// `yes`/`no`, `on`/`off` (clap's own parser takes only `true` and `false`, so
+    /// `OUTBOX_NO_DECLARE=1` was refused). Done here, once, so a new flag gets it too.
+    pub fn clap_command() -> clap::Command {
+        fn boolish(cmd: clap::Command) -> clap::Command {
+            cmd.mut_args(|arg| match arg.get_action() {
+                ArgAction::SetTrue => arg.value_parser(BoolishValueParser::new()),
+                _ => arg,
+            })
+            .mut_subcommands(boolish)
+        }
+        boolish(<Cli as CommandFactory>::command())
+    }
+
+    /// Parses `argv` (and the flags' environment variables) with [`Cli::clap_command`].
+    pub fn parse_args<I, T>(argv: I) -> Result<Cli, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let matches = Cli::clap_command().try_get_matches_from(argv)?;
+        Cli::from_arg_matches(&matches)
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -293,8 +323,9 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_MAX_MESSAGE_BYTES", default_value = "1048576")]
     pub max_message_bytes: String,
 
-    /// How long a SIGTERM waits for in-flight confirms before exiting.
-    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "10s")]
+    /// How long a SIGTERM waits for in-flight confirms and their marks before exiting;
+    /// must be longer than --confirm-timeout.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "20s")]
     pub shutdown_timeout: String,
 
     /// How long to wait for the broker's confirm of one message (and how long a session

@@ -7,11 +7,13 @@
 //!
 //! Layout: `args.rs` (the raw clap types), `config.rs` ([`Config`] and the operator
 //! commands' parsing), `run.rs` and `demo.rs` (the two commands with many flags),
-//! `values.rs` (parsers of single values shared by the commands), `tests.rs`.
+//! `values.rs` (parsers of single values shared by the commands), `logging.rs` (the log
+//! subscriber, with lapin's body-printing targets capped), `tests.rs`.
 
 mod args;
 mod config;
 mod demo;
+pub mod logging;
 mod run;
 #[cfg(test)]
 mod tests;

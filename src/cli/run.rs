@@ -92,6 +92,19 @@ impl RunArgs {
             return Err(ConfigError::new("--lease", "must be at least 1s"));
         }
         let confirm_timeout = duration("--confirm-timeout", &a.confirm_timeout)?;
+        let shutdown_timeout = duration("--shutdown-timeout", &a.shutdown_timeout)?;
+        // A SIGTERM waits this long for the confirms in flight, then marks what was acked: a
+        // shorter wait than one confirm may take leaves acked rows unmarked, to be
+        // published again by the next holder.
+        if shutdown_timeout <= confirm_timeout {
+            return Err(ConfigError::new(
+                "--shutdown-timeout",
+                format!(
+                    "must be longer than --confirm-timeout ({}): a shutdown waits for the confirms in flight, then marks them",
+                    humantime::format_duration(confirm_timeout)
+                ),
+            ));
+        }
         let relay = RelayConfig {
             exchange,
             declare_exchange: !a.no_declare,
@@ -101,7 +114,7 @@ impl RunArgs {
             listen: !a.no_listen,
             max_attempts,
             max_message_bytes,
-            shutdown_timeout: duration("--shutdown-timeout", &a.shutdown_timeout)?,
+            shutdown_timeout,
             confirm_timeout,
             confirm_window,
             channels,

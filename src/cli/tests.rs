@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use clap::Parser;
+use clap::ArgAction;
 use outbox_kit::contract::{ConfigError, Schema};
 
 use super::{Cli, Config, SecretFiles};
@@ -14,7 +14,7 @@ fn run_config(args: &[&str]) -> Result<Config, ConfigError> {
 fn run_config_with(args: &[&str], files: &SecretFiles) -> Result<Config, ConfigError> {
     let mut argv = vec!["outbox-relay", "run"];
     argv.extend_from_slice(args);
-    Cli::try_parse_from(argv)
+    Cli::parse_args(argv)
         .expect("clap accepts")
         .into_config(files)
 }
@@ -82,7 +82,31 @@ fn defaults_are_valid() {
     assert_eq!(relay.late_commit_window, Duration::from_millis(100));
     assert_eq!(relay.max_attempts.get(), 10);
     assert_eq!(relay.max_message_bytes.get(), 1 << 20);
+    assert!(relay.shutdown_timeout > relay.confirm_timeout);
     assert_eq!(schema.as_str(), "public");
+}
+
+/// A shutdown that waits less than one confirm may take leaves acked rows unmarked (they are
+/// published again): the pair is checked, and the defaults pass.
+#[test]
+fn shutdown_timeout_must_outlast_the_confirm_timeout() {
+    for args in [
+        &["--shutdown-timeout", "10s"][..],
+        &["--shutdown-timeout", "15s"],
+        &["--confirm-timeout", "30s"],
+        &["--shutdown-timeout", "5s", "--confirm-timeout", "5s"],
+    ] {
+        let err = run_config(args).unwrap_err();
+        assert_eq!(err.flag, "--shutdown-timeout", "{args:?}");
+        assert!(err.problem.contains("--confirm-timeout"), "{}", err.problem);
+    }
+    for args in [
+        &["--shutdown-timeout", "16s"][..],
+        &["--shutdown-timeout", "6s", "--confirm-timeout", "5s"],
+        &["--shutdown-timeout", "1m", "--confirm-timeout", "30s"],
+    ] {
+        assert!(run_config(args).is_ok(), "{args:?}");
+    }
 }
 
 #[test]
@@ -123,7 +147,7 @@ fn unparseable_urls_name_their_flags() {
 fn reconcile_config(args: &[&str]) -> Result<Config, ConfigError> {
     let mut argv = vec!["outbox-relay", "reconcile"];
     argv.extend_from_slice(args);
-    Cli::try_parse_from(argv)
+    Cli::parse_args(argv)
         .expect("clap accepts")
         .into_config(&SecretFiles::default())
 }
@@ -160,4 +184,48 @@ fn on_park_accepts_two_policies() {
         run_config(&["--on-park", "skip"]).unwrap_err().flag,
         "--on-park"
     );
+}
+
+/// Every boolean flag of every command takes 1/0, true/false, yes/no and on/off (from its
+/// environment variable; the parser is the same one clap uses for the variable's value).
+#[test]
+fn boolean_flags_take_the_usual_spellings() {
+    fn bool_flags(cmd: &clap::Command, out: &mut Vec<clap::Arg>) {
+        out.extend(
+            cmd.get_arguments()
+                .filter(|a| matches!(a.get_action(), ArgAction::SetTrue))
+                .cloned(),
+        );
+        for sub in cmd.get_subcommands() {
+            bool_flags(sub, out);
+        }
+    }
+    let mut flags = Vec::new();
+    bool_flags(&Cli::clap_command(), &mut flags);
+    let names: Vec<String> = flags.iter().map(|a| a.get_id().to_string()).collect();
+    for expected in ["no_declare", "no_migrate", "no_listen", "cloudevents"] {
+        assert!(
+            names.iter().any(|n| n == expected),
+            "{expected} in {names:?}"
+        );
+    }
+    for flag in flags {
+        let id = flag.get_id().to_string();
+        let long = format!("--{}", flag.get_long().expect("a long flag"));
+        // The flag's own value parser, given a value the way its variable would give it.
+        let probe = clap::Command::new("probe").arg(flag.action(ArgAction::Set).env(None::<&str>));
+        let parse = |value: &str| {
+            probe
+                .clone()
+                .try_get_matches_from(["probe", long.as_str(), value])
+                .map(|m| m.get_one::<bool>(&id).copied())
+        };
+        for yes in ["1", "true", "yes", "on", "TRUE", "Yes"] {
+            assert_eq!(parse(yes).unwrap(), Some(true), "--{id} {yes}");
+        }
+        for no in ["0", "false", "no", "off"] {
+            assert_eq!(parse(no).unwrap(), Some(false), "--{id} {no}");
+        }
+        assert!(parse("maybe").is_err(), "--{id} maybe");
+    }
 }

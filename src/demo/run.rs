@@ -132,7 +132,6 @@ pub async fn run(
     relay_config.retry_min = Duration::from_millis(100);
     relay_config.retry_max = Duration::from_secs(1);
     relay_config.max_attempts = NonZeroU32::new(100).expect("non-zero");
-    relay_config.shutdown_timeout = Duration::from_secs(5);
     let stop_relay = CancellationToken::new();
     let mut relay_task = tokio::spawn(relay::run(
         Deps {

@@ -70,7 +70,8 @@ pub struct RelayConfig {
     pub max_attempts: NonZeroU32,
     /// `--max-message-bytes`: a larger row is parked at once.
     pub max_message_bytes: NonZeroUsize,
-    /// `--shutdown-timeout`: how long a shutdown waits for confirms and marks.
+    /// `--shutdown-timeout`: how long a shutdown waits for confirms and marks (longer than
+    /// `confirm_timeout`, or rows acked late in a shutdown are left unmarked).
     pub shutdown_timeout: Duration,
     /// `--confirm-timeout`: a message without a confirm by then is retried.
     pub confirm_timeout: Duration,
@@ -106,7 +107,7 @@ impl RelayConfig {
             listen: true,
             max_attempts: NonZeroU32::new(10).expect("non-zero"),
             max_message_bytes: NonZeroUsize::new(1 << 20).expect("non-zero"),
-            shutdown_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(20),
             confirm_timeout: Duration::from_secs(15),
             confirm_window: NonZeroUsize::new(1024).expect("non-zero"),
             channels: NonZeroUsize::new(2).expect("non-zero"),

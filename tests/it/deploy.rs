@@ -100,6 +100,17 @@ fn duration(s: &str) -> Duration {
     humantime::parse_duration(s).unwrap_or_else(|e| panic!("'{s}' is not a duration: {e}"))
 }
 
+/// The relay refuses a shutdown timeout that does not outlast the confirm timeout (its
+/// default unless `confirm` is set): a deployment's settings must pass.
+fn assert_drain_outlasts_confirms(file: &str, drain: Duration, confirm: Option<Duration>) {
+    let confirm =
+        confirm.unwrap_or_else(|| outbox_relay::relay::RelayConfig::new("x").confirm_timeout);
+    assert!(
+        drain > confirm,
+        "{file}: OUTBOX_SHUTDOWN_TIMEOUT {drain:?} must exceed the confirm timeout {confirm:?}"
+    );
+}
+
 #[test]
 fn every_yaml_file_parses() {
     let mut found = 0;
@@ -175,6 +186,10 @@ async fn compose_stack_is_consistent() {
     );
     let grace = duration(relay["stop_grace_period"].as_str().unwrap());
     let drain = duration(env["OUTBOX_SHUTDOWN_TIMEOUT"].as_str().unwrap());
+    let confirm = env
+        .get("OUTBOX_CONFIRM_TIMEOUT")
+        .map(|v| duration(v.as_str().unwrap()));
+    assert_drain_outlasts_confirms("compose.yaml", drain, confirm);
     assert!(
         grace > drain,
         "stop_grace_period {grace:?} must exceed the drain {drain:?}"
@@ -500,6 +515,8 @@ async fn systemd_unit_verifies_and_outlasts_the_drain() {
         .filter_map(|e| e.split_once('='))
         .collect();
     let drain = duration(env["OUTBOX_SHUTDOWN_TIMEOUT"]);
+    let confirm = env.get("OUTBOX_CONFIRM_TIMEOUT").map(|v| duration(v));
+    assert_drain_outlasts_confirms("outbox-relay.service", drain, confirm);
     let stop = duration(one("TimeoutStopSec"));
     assert!(
         stop > drain,
@@ -664,6 +681,10 @@ async fn kubernetes_sidecar_example_is_consistent() {
     assert_eq!(relay["securityContext"]["readOnlyRootFilesystem"], true);
     let grace = Duration::from_secs(pod["terminationGracePeriodSeconds"].as_u64().unwrap());
     let drain = duration(env["OUTBOX_SHUTDOWN_TIMEOUT"]["value"].as_str().unwrap());
+    let confirm = env
+        .get("OUTBOX_CONFIRM_TIMEOUT")
+        .map(|v| duration(v["value"].as_str().unwrap()));
+    assert_drain_outlasts_confirms("relay-sidecar.yaml", drain, confirm);
     assert!(
         grace > drain,
         "terminationGracePeriodSeconds {grace:?} must exceed {drain:?}"

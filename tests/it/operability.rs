@@ -367,6 +367,146 @@ async fn passwords_never_appear_in_logs() {
     assert!(!log.contains('\x1b'), "escape codes in a log file: {log}");
 }
 
+/// With `RUST_LOG=info`, rows the broker returns (no queue bound) leave no trace of their
+/// body in the relay's log: lapin's returned-message line (which prints the body, as bytes)
+/// stays quiet. Named in `RUST_LOG`, the target logs again, so the check can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returned_payloads_never_appear_in_logs_at_info() {
+    let marker = "card-4111-1111-1111-1111";
+    // lapin prints the body as a byte list: look for the marker's bytes too.
+    let marker_bytes = format!("{:?}", marker.as_bytes());
+    let marker_bytes = marker_bytes.trim_matches(['[', ']']).to_owned();
+    for (rust_log, logged) in [
+        ("info", false),
+        ("info,lapin::returned_messages=warn", true),
+    ] {
+        let db = TestDb::new().await;
+        let client = db.client().await;
+        client
+            .execute(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                 SELECT 'it', 'k' || g, 'secret', jsonb_build_object('card', $1::text)
+                   FROM generate_series(1, 3) g",
+                &[&marker],
+            )
+            .await
+            .unwrap();
+        let args: Vec<String> = [
+            "--database-url",
+            &db.url(),
+            "--exchange",
+            &unique("it.payloads"),
+            "--http-listen",
+            "off",
+            "--retry-min",
+            "50ms",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut relay =
+            RelayProcess::start_with_env(&unique("payloads"), &args, &[("RUST_LOG", rust_log)]);
+        wait_for(
+            "every row returned at least twice",
+            Duration::from_secs(60),
+            || async {
+                let returned = db
+                    .count(&client, "attempts >= 2 AND last_error LIKE 'unroutable%'")
+                    .await;
+                (returned == 3).then_some(())
+            },
+        )
+        .await;
+        relay.signal("TERM");
+        assert_eq!(relay.wait(Duration::from_secs(30)).await, Some(0));
+        let log = relay.log_text();
+        assert!(log.contains("relay started"), "{log}");
+        let found = log.contains(marker) || log.contains(&marker_bytes);
+        assert_eq!(
+            found, logged,
+            "RUST_LOG={rust_log}: payload in the log: {found}\n{log}"
+        );
+    }
+}
+
+/// The lag counts from when a row became due: a row delayed into the future is not late
+/// however old it is, and a due row counts from its `available_at`, not its `created_at`.
+/// Checked in `outbox_oldest_pending_age_seconds` and in what `status` and the dashboard show
+/// (no relay runs, so the rows stay pending).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_counts_from_when_rows_became_due() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let stop = CancellationToken::new();
+    let state = HttpState::new(Telemetry::default(), &db.target, &db.schema, None);
+    tokio::spawn(http::serve(listener, state, stop.clone()));
+    let insert = |created: &'static str, available: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .execute(
+                    &format!(
+                        "INSERT INTO outbox_events
+                           (aggregate_type, aggregate_id, event_type, payload, created_at, available_at)
+                         VALUES ('it', 'lag', 'x', '{{}}', now() - interval '{created}',
+                                 now() + interval '{available}')"
+                    ),
+                    &[],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    // Created 3 hours ago, due 10 minutes ago: 600 s late. Created 5 hours ago, due in an
+    // hour: not late at all.
+    insert("3 hours", "-10 minutes").await;
+    insert("5 hours", "1 hour").await;
+    let lags = || async {
+        let metrics = reqwest::get(format!("{base}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let gauge: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("outbox_oldest_pending_age_seconds "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no lag gauge in /metrics:\n{metrics}"));
+        // What `status`, the dashboard and /api/overview show.
+        let status = outbox_relay::operator::status(&client).await.unwrap();
+        (gauge, status["oldest_pending_seconds"].as_f64().unwrap())
+    };
+    let (gauge, api) = wait_for(
+        "the sampler's first look",
+        Duration::from_secs(20),
+        || async {
+            let (gauge, api) = lags().await;
+            (gauge > 0.0).then_some((gauge, api))
+        },
+    )
+    .await;
+    for lag in [gauge, api] {
+        assert!(
+            (590.0..3600.0).contains(&lag),
+            "due 10 minutes ago, created hours ago: lag {lag}"
+        );
+    }
+    // Only the delayed row left: nothing is late.
+    client
+        .execute("DELETE FROM outbox_events WHERE available_at <= now()", &[])
+        .await
+        .unwrap();
+    wait_for("the lag back to zero", Duration::from_secs(20), || async {
+        let (gauge, api) = lags().await;
+        (gauge == 0.0 && api == 0.0).then_some(())
+    })
+    .await;
+    stop.cancel();
+}
+
 /// sslmode=require encrypts (pg_stat_ssl says so); verify-full accepts a server whose
 /// certificate the given root vouches for; against a certificate it does not vouch for the
 /// relay stops with a clear error instead of retrying or falling back to plain text.

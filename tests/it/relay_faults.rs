@@ -204,6 +204,10 @@ async fn bad_configuration_exits_2_with_one_line() {
         (vec!["run", "--amqp-url", "mqtt://x"], "--amqp-url"),
         (vec!["run", "--poll-interval", "often"], "--poll-interval"),
         (vec!["run", "--schema", "Robert'); DROP"], "--schema"),
+        (
+            vec!["run", "--shutdown-timeout", "10s"],
+            "--shutdown-timeout",
+        ),
         (vec!["run", "--no-such-flag"], "--no-such-flag"),
     ] {
         let (code, _out, err) = run_to_end(&args, &[]).await;
@@ -220,4 +224,27 @@ async fn bad_configuration_exits_2_with_one_line() {
     let (code, _, err) = run_to_end(&["run"], &[("OUTBOX_BATCH_SIZE", "0")]).await;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--batch-size"));
+}
+
+/// Boolean variables take the usual spellings (`OUTBOX_NO_DECLARE=1` used to exit 2 with
+/// "invalid value '1'"): with them set, the run goes on to the next check, a bad batch
+/// size; a value that is no boolean names its flag.
+#[tokio::test]
+async fn boolean_variables_take_1_yes_and_on() {
+    let booleans = [
+        ("OUTBOX_NO_DECLARE", "1"),
+        ("OUTBOX_NO_MIGRATE", "yes"),
+        ("OUTBOX_NO_LISTEN", "on"),
+        ("OUTBOX_CLOUDEVENTS", "0"),
+    ];
+    let (code, _, err) = run_to_end(&["run", "--batch-size", "0"], &booleans).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--batch-size") && !err.contains("invalid value"),
+        "the booleans were accepted: {err}"
+    );
+    let (code, _, err) = run_to_end(&["run"], &[("OUTBOX_NO_DECLARE", "maybe")]).await;
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("--no-declare"), "{err}");
 }

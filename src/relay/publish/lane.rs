@@ -84,7 +84,10 @@ impl Lane {
                     let outcomes = decision.settled.iter().map(|(_, outcome)| outcome);
                     if nacks.for_good(outcomes, Instant::now(), self.confirm_timeout) {
                         let limit = self.confirm_timeout;
-                        broken = Some(format!("the broker nacked every publish for {limit:?}"));
+                        let why = format!("the broker nacked every publish for {limit:?}");
+                        // The node answers but refuses: the next session goes to another.
+                        self.lost.raise_refused(why.clone());
+                        broken = Some(why);
                     }
                     self.send(decision.settled);
                 }

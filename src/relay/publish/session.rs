@@ -38,16 +38,36 @@ pub(crate) struct SessionConfig {
 }
 
 /// The end of a session, raised once by whatever ended it; the first reason given is kept.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(super) struct Lost {
     token: CancellationToken,
     why: Arc<std::sync::OnceLock<String>>,
+    /// The broker the session is on, and which of its nodes (shared by the lanes' copies).
+    node: Arc<(AmqpTarget, usize)>,
 }
 
 impl Lost {
+    fn new(target: &AmqpTarget, node: usize) -> Lost {
+        Lost {
+            token: CancellationToken::default(),
+            why: Arc::default(),
+            node: Arc::new((target.clone(), node)),
+        }
+    }
+
     pub(super) fn raise(&self, why: impl Into<String>) {
         let _ = self.why.set(why.into());
         self.token.cancel();
+    }
+
+    /// Ends the session because its node refuses every publish (nacks for a confirm
+    /// timeout): the node answers, so without this the reconnect would go back to it. The
+    /// target moves on before anyone learns of the loss, so the engine's reconnect starts
+    /// with the next node of the list.
+    pub(super) fn raise_refused(&self, why: impl Into<String>) {
+        let (target, node) = &*self.node;
+        target.give_up_on(*node);
+        self.raise(why);
     }
 
     pub(super) async fn raised(&self) {
@@ -79,8 +99,8 @@ impl Session {
         generation: u64,
         settled: mpsc::UnboundedSender<SettledBatch>,
     ) -> Result<Session, AmqpError> {
-        let conn = target.connect(&config.connection_name).await?;
-        let lost = Lost::default();
+        let (conn, node) = target.connect_node(&config.connection_name).await?;
+        let lost = Lost::new(target, node);
         let setup = async {
             let ch = rpc("channel.open", conn.create_channel()).await?;
             amqp::declare_exchange(
@@ -176,5 +196,26 @@ impl Session {
             self.conn.close(200, "outbox-relay closing".into()),
         )
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session replaced for nacks reconnects to the next node of the list; a session
+    /// lost for another reason (a timeout, a closed connection) leaves the choice to the
+    /// connect, which retries the node that last worked first.
+    #[test]
+    fn a_session_ended_for_nacks_moves_on_to_the_next_node() {
+        let target = AmqpTarget::parse("amqp://a/%2f,amqp://b/%2f,amqp://c/%2f").unwrap();
+        let lost = Lost::new(&target, 0);
+        lost.raise("a confirm timed out");
+        assert_eq!(target.preferred_node(), 0, "a timeout: the same node first");
+        let lost = Lost::new(&target, 0);
+        lost.raise_refused("the broker nacked every publish for 15s");
+        assert!(lost.is_raised());
+        assert_eq!(target.preferred_node(), 1, "nacks: the next node first");
+        assert_eq!(lost.why(), "the broker nacked every publish for 15s");
     }
 }

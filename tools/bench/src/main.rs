@@ -14,7 +14,8 @@
 //! one unless `--relay-bin` says otherwise, so `cargo build --release` first. Every
 //! measurement uses its own database (`bench_<pid>_<n>`) and its own exchange and queue
 //! (`bench.<pid>.<tag>`), all dropped afterwards. `--smoke` runs every section at tiny
-//! sizes in well under a minute (the test suite runs it so the bench cannot rot).
+//! sizes in well under a minute, dropping its databases at the end (the test suite runs it
+//! so the bench cannot rot).
 
 mod amqp;
 mod pg;
@@ -282,7 +283,7 @@ async fn run(args: Args) -> Result<bool> {
         amqp_url: args.amqp_url.clone(),
         log_dir: work_dir,
     };
-    let admin = pg::Admin::connect(&args.database_url).await?;
+    let admin = pg::Admin::connect(&args.database_url, s.smoke).await?;
     let postgres = admin_version(&admin).await;
     let ctx = Ctx::new(
         s.clone(),

@@ -352,6 +352,7 @@ struct Measure<'a> {
 
 impl Measure<'_> {
     async fn go(self, counter: Option<&NotifyCounter>) -> Result<ProducerRun> {
+        eprintln!("outbox-bench: producer run: {}", self.what);
         let before = counter.map(NotifyCounter::get);
         let (tx_per_s, commits) = closed_loop(
             self.db,
