@@ -59,6 +59,15 @@ impl Message {
     }
 }
 
+/// The key a delivery belongs to (its aggregate type and id headers), read before parsing
+/// so that an ordered group can put it in its key's lane.
+pub(super) fn key_of(d: &Delivery) -> Option<(String, String)> {
+    Some((
+        header_string(d, H_AGGREGATE_TYPE)?,
+        header_string(d, H_AGGREGATE_ID)?,
+    ))
+}
+
 pub(super) fn original_routing_key(d: &Delivery) -> String {
     header_string(d, H_ROUTING_KEY).unwrap_or_else(|| d.routing_key.as_str().to_owned())
 }
@@ -75,7 +84,7 @@ fn header_string(d: &Delivery, name: &str) -> Option<String> {
     }
 }
 
-pub(super) fn header_i64(d: &Delivery, name: &str) -> Option<i64> {
+fn header_i64(d: &Delivery, name: &str) -> Option<i64> {
     header_value_i64(header(d, name)?)
 }
 
