@@ -886,3 +886,29 @@ async fn the_sql_functions_alone_give_the_group_rules() {
     assert_eq!(seqs, [1, 3, 4, 5, 6, 7, 8]);
     assert_eq!(outcomes[2].1, "dead");
 }
+
+/// What the broker answers to an exchange type it does not know (the runner turns this
+/// answer, for `x-consistent-hash`, into "enable the rabbitmq_consistent_hash_exchange
+/// plugin"): pins the text the runner matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_names_an_unknown_exchange_type() {
+    let conn = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-unknown-type")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let err = ch
+        .exchange_declare(
+            exchange().as_str().into(),
+            lapin::ExchangeKind::Custom("x-no-such-type".into()),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    eprintln!("{text}");
+    assert!(text.contains("exchange type"), "{text}");
+    assert!(text.contains("x-no-such-type"), "{text}");
+}

@@ -71,7 +71,9 @@ async fn rpc<T>(
 /// apart from what a reconnect may fix.
 fn refused_or_failed(what: &str, e: AmqpError) -> Opened {
     let text = e.to_string();
-    if text.contains("invalid exchange type") || text.contains("x-consistent-hash") {
+    // The broker's answer (3.10): "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'"
+    // (tests/it/groups.rs pins the text).
+    if text.contains("unknown exchange type") && text.contains("x-consistent-hash") {
         return Opened::Refused(format!(
             "{what}: {text}; the broker does not know the exchange type x-consistent-hash: enable the rabbitmq_consistent_hash_exchange plugin (rabbitmq-plugins enable rabbitmq_consistent_hash_exchange)"
         ));
@@ -385,4 +387,26 @@ async fn declare_group(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened>
         .await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError};
+
+    #[test]
+    fn a_missing_hash_exchange_plugin_is_named() {
+        let broker = AMQPError::new(
+            AMQPErrorKind::Hard(AMQPHardError::COMMANDINVALID),
+            "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'".into(),
+        );
+        let e = AmqpError::Amqp(lapin::ErrorKind::ProtocolError(broker).into());
+        let Opened::Refused(why) = refused_or_failed("exchange.declare", e) else {
+            panic!("a missing plugin is not worth retrying")
+        };
+        assert!(
+            why.contains("enable the rabbitmq_consistent_hash_exchange plugin"),
+            "{why}"
+        );
+    }
 }
