@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use outbox_kit::amqp::AmqpTarget;
-use outbox_kit::consumer::runner::{ConsumerConfig, ConsumerError, Context, OnDead};
+use outbox_kit::consumer::runner::{ConsumerConfig, ConsumerDeps, ConsumerError, Context, OnDead};
 use outbox_kit::consumer::{Handler, HandlerError, Message};
 use serde_json::json;
 use tokio_postgres::Client;
@@ -21,6 +21,7 @@ use crate::support::kit::{
     self, DeadLetters, RawEvent, RawPublisher, Running, group_config, wait_group_ready,
 };
 use crate::support::process::run_to_end;
+use crate::support::proxy::{Mode, TcpProxy};
 use crate::support::{TestDb, amqp_url, rabbitmqctl, unique, wait_for};
 
 const APPLIED: &str = "CREATE TABLE it_applied (
@@ -321,6 +322,113 @@ async fn three_members_share_partitions_and_take_over_a_dead_one() {
         assert_eq!(*seqs, (1..=10).collect::<Vec<_>>(), "key {k}");
     }
     eprintln!("before: {shares:?}; after: {owners:?}; taken over in {took_over:?}");
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// A member stalls (as under SIGSTOP: its Postgres and broker connections blackholed, so it
+/// neither renews its lease nor answers AMQP heartbeats): its lease lapses, the other member
+/// registers on its partitions and becomes their active consumer once the broker closed the
+/// stalled connection, within `member_lease` + the broker's heartbeat timeout. When it comes
+/// back it rejoins; every event is applied exactly once and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_member_loses_its_partitions_within_the_bound() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 4);
+    let m0 = Running::start(&db, member(&cfg, "m0"), Scripted::new("m0"));
+    let pg = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let mq = TcpProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let url = db.url().replace(":5432/", &format!(":{}/", pg.port()));
+    let deps = ConsumerDeps {
+        pool: outbox_kit::db::DbTarget::parse(&url).unwrap().pool(
+            &db.schema,
+            "outbox-it-stalled",
+            32,
+        ),
+        amqp: AmqpTarget::parse(&amqp_url()).unwrap().with_port(mq.port()),
+    };
+    let m1 = Running::start_with(deps, member(&cfg, "m1"), Scripted::new("m1"));
+    let owners = |want: &'static [(&'static str, usize)]| {
+        let cfg = &cfg;
+        move || async move {
+            let owners = active_owners(cfg).await;
+            want.iter()
+                .all(|(m, n)| owners.get(*m).map_or(0, Vec::len) == *n)
+                .then_some(())
+        }
+    };
+    wait_for(
+        "two members own 2 partitions each",
+        Duration::from_secs(60),
+        owners(&[("m0", 2), ("m1", 2)]),
+    )
+    .await;
+    let publisher = RawPublisher::new(&ex).await;
+    let keys = 16;
+    for k in 0..keys {
+        publisher
+            .publish(&RawEvent::new(&format!("k{k}"), 1, json!({})))
+            .await;
+    }
+    wait_for("16 events applied", Duration::from_secs(30), || async {
+        (applied_count(&client).await >= 16).then_some(())
+    })
+    .await;
+
+    pg.set(Mode::Blackhole);
+    mq.set(Mode::Blackhole);
+    let stalled = Instant::now();
+    for k in 0..keys {
+        publisher
+            .publish(&RawEvent::new(&format!("k{k}"), 2, json!({})))
+            .await;
+    }
+    wait_for(
+        "m0 active on all 4 partitions",
+        Duration::from_secs(90),
+        owners(&[("m0", 4)]),
+    )
+    .await;
+    let took_over = stalled.elapsed();
+    wait_for("32 events applied", Duration::from_secs(30), || async {
+        (applied_count(&client).await >= 32).then_some(())
+    })
+    .await;
+
+    // Back from the stall: it reconnects and gets its share again.
+    pg.set(Mode::Pass);
+    mq.set(Mode::Pass);
+    wait_for(
+        "m1 back with 2 partitions",
+        Duration::from_secs(90),
+        owners(&[("m0", 2), ("m1", 2)]),
+    )
+    .await;
+    for k in 0..keys {
+        publisher
+            .publish(&RawEvent::new(&format!("k{k}"), 3, json!({})))
+            .await;
+    }
+    wait_for("48 events applied", Duration::from_secs(30), || async {
+        (applied_count(&client).await >= 48).then_some(())
+    })
+    .await;
+    m0.stop().await;
+    m1.stop().await;
+    // The stated bound: member_lease (2 s) + the broker's heartbeat timeout (about three
+    // 10 s intervals; 29 s measured here), with room for this busy machine.
+    assert!(
+        took_over < Duration::from_secs(60),
+        "took over after {took_over:?}"
+    );
+    let rows = applied(&client).await;
+    assert_eq!(rows.len(), keys);
+    for (k, seqs) in &rows {
+        assert_eq!(*seqs, [1, 2, 3], "key {k}");
+    }
+    eprintln!("a stalled member's partitions moved after {took_over:?}");
     kit::delete_group_topology(&cfg).await;
 }
 

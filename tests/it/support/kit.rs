@@ -184,6 +184,17 @@ impl Running {
         Running { stop, handle }
     }
 
+    /// A runner on connections of the test's choosing (through fault proxies).
+    pub fn start_with<H: Handler>(
+        deps: ConsumerDeps,
+        cfg: ConsumerConfig,
+        handler: Arc<H>,
+    ) -> Running {
+        let stop = CancellationToken::new();
+        let handle = tokio::spawn(runner::run(deps, cfg, handler, stop.clone()));
+        Running { stop, handle }
+    }
+
     pub async fn stop(self) {
         self.stop.cancel();
         tokio::time::timeout(Duration::from_secs(30), self.handle)
