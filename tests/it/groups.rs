@@ -38,6 +38,8 @@ struct Scripted {
     member: String,
     stuck: AtomicBool,
     stuck_attempts: AtomicUsize,
+    /// `Message::attempt` when a stuck event was finally applied.
+    applied_attempt: AtomicUsize,
 }
 
 impl Scripted {
@@ -58,6 +60,10 @@ impl Handler for Scripted {
         if p["stuck"] == json!(true) && self.stuck.load(Ordering::SeqCst) {
             self.stuck_attempts.fetch_add(1, Ordering::SeqCst);
             return Err(HandlerError::Transient("dependency down (503)".into()));
+        }
+        if p["stuck"] == json!(true) {
+            self.applied_attempt
+                .store(msg.attempt as usize, Ordering::SeqCst);
         }
         cx.tx()
             .execute(
@@ -478,6 +484,12 @@ async fn a_transient_failure_holds_only_its_key() {
         (applied(&client).await.get("stuck") == Some(&vec![1, 2])).then_some(())
     })
     .await;
+    let tries = handler.stuck_attempts.load(Ordering::SeqCst);
+    assert_eq!(
+        handler.applied_attempt.load(Ordering::SeqCst),
+        tries,
+        "the handler sees how many attempts failed before"
+    );
     running.stop().await;
     kit::delete_group_topology(&cfg).await;
 }

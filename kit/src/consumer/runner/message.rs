@@ -38,7 +38,8 @@ pub struct Message {
     pub body: Vec<u8>,
     /// The broker's redelivered flag (a consumer died or a channel closed with it unacked).
     pub redelivered: bool,
-    /// How many times the runner retried it after transient errors.
+    /// How many times the runner retried it after transient errors (through retry queues,
+    /// or in place in an ordered group).
     pub attempt: u32,
 }
 
@@ -137,6 +138,11 @@ pub(super) fn parse(d: &Delivery, ordered: bool) -> Result<Message, String> {
     let seq = header_i64(d, H_SEQ);
     if ordered && seq.is_none() {
         return Err(format!("no {H_SEQ} header: cannot be applied in order"));
+    }
+    if ordered && key_of(d).is_none() {
+        return Err(format!(
+            "no {H_AGGREGATE_TYPE} or {H_AGGREGATE_ID} header: cannot be applied in order"
+        ));
     }
     let headers = p
         .headers()

@@ -163,13 +163,24 @@ pub(super) async fn process_in_group<H: Handler>(
         headers: &headers,
         body: &msg.body,
     };
-    let tried = with_retries(g, &msg, || async {
+    let (held, msg) = (&held, &msg);
+    let tried = with_retries(g, msg, |attempt| async move {
         let shared = g.shared;
         let mut conn = deadline(shared.pool.get()).await?;
         let client: &mut tokio_postgres::Client = &mut conn;
         let tx = deadline(client.transaction()).await?;
-        let admission = inbox::record_in_group(&tx, &shared.cfg.name, &held).await?;
-        run_admitted(shared, g.handler, &tx, &msg, admission).await?;
+        let admission = inbox::record_in_group(&tx, &shared.cfg.name, held).await?;
+        let retried;
+        let this = if attempt == 0 {
+            msg
+        } else {
+            retried = Message {
+                attempt,
+                ..msg.clone()
+            };
+            &retried
+        };
+        run_admitted(shared, g.handler, &tx, this, admission).await?;
         deadline(tx.commit()).await?;
         Ok(())
     })
@@ -177,7 +188,7 @@ pub(super) async fn process_in_group<H: Handler>(
     let settled = match tried {
         Tried::Done => Settled::Done,
         Tried::Stopped => Settled::Abandoned,
-        Tried::Dead(reason) => dead_in_group(g, &msg, &d.data, &d.properties, &reason).await,
+        Tried::Dead(reason) => dead_in_group(g, msg, &d.data, &d.properties, &reason).await,
     };
     if settled == Settled::Done {
         ack(d).await;
@@ -209,7 +220,9 @@ pub(super) async fn apply_held<H: Handler>(
             redelivered: true,
             attempt: 0,
         };
-        let tried = with_retries(g, &template, || async {
+        let (last_ref, template_ref) = (&last, &template);
+        let tried = with_retries(g, &template, |attempt| async move {
+            let (last, template) = (last_ref, template_ref);
             let shared = g.shared;
             let mut conn = deadline(shared.pool.get()).await?;
             let client: &mut tokio_postgres::Client = &mut conn;
@@ -231,6 +244,7 @@ pub(super) async fn apply_held<H: Handler>(
                     _ => serde_json::Map::new(),
                 },
                 body: t.body,
+                attempt,
                 ..template.clone()
             };
             *last.lock().expect("not poisoned") = Some(msg.clone());
@@ -314,12 +328,13 @@ enum Tried {
     Stopped,
 }
 
-/// Runs `attempt` (one inbox transaction) until it succeeds, retrying transient failures in
-/// place with backoff while holding no handler permit.
+/// Runs `attempt` (one inbox transaction, given how many attempts failed before it) until it
+/// succeeds, retrying transient failures in place with backoff while holding no handler
+/// permit.
 async fn with_retries<H, F, Fut>(g: &GroupCx<'_, H>, msg: &Message, attempt: F) -> Tried
 where
     H: Handler,
-    F: Fn() -> Fut,
+    F: Fn(u32) -> Fut,
     Fut: Future<Output = Result<(), HandlerError>>,
 {
     let cfg = &g.shared.cfg;
@@ -333,7 +348,7 @@ where
             let Ok(_permit) = permit else {
                 return Tried::Stopped;
             };
-            match tokio::time::timeout(cfg.handler_timeout, attempt()).await {
+            match tokio::time::timeout(cfg.handler_timeout, attempt(tries)).await {
                 Ok(r) => r,
                 Err(_) => Err(HandlerError::Transient(format!(
                     "message not handled within handler_timeout {:?}",
