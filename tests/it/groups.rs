@@ -57,6 +57,9 @@ impl Handler for Scripted {
         if p["poison"] == json!(true) {
             return Err(HandlerError::Terminal("poison".into()));
         }
+        if p["panic"] == json!(true) {
+            panic!("a bug in the handler");
+        }
         if p["stuck"] == json!(true) && self.stuck.load(Ordering::SeqCst) {
             self.stuck_attempts.fetch_add(1, Ordering::SeqCst);
             return Err(HandlerError::Transient("dependency down (503)".into()));
@@ -667,6 +670,48 @@ async fn a_poison_event_blocks_its_key_until_released() {
     )
     .await;
     assert_eq!(key_state(&client, &cfg.name, "c").await, (2, None, 0));
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// A handler that panics: its event is dead-lettered and its key blocked like a terminal
+/// failure, and the partition goes on (the panic does not unwind the partition's consumer,
+/// whose drop would cancel it while it still holds unacked events).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_handler_dead_letters_its_event_and_the_partition_goes_on() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 1);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let publisher = RawPublisher::new(&ex).await;
+    let bug = RawEvent::new("b", 1, json!({"panic": true}));
+    publisher.publish(&bug).await;
+    publisher.publish(&RawEvent::new("b", 2, json!({}))).await;
+    publisher
+        .publish(&RawEvent::new("other", 1, json!({})))
+        .await;
+    let d = wait_for(
+        "the panicking event dead-lettered",
+        Duration::from_secs(30),
+        || async { dead.all().into_iter().next() },
+    )
+    .await;
+    assert_eq!(d.event_id, bug.event_id.to_string());
+    assert!(d.reason.contains("panicked"), "{}", d.reason);
+    wait_for(
+        "b blocked with 2 held, other applied",
+        Duration::from_secs(30),
+        || async {
+            (key_state(&client, &cfg.name, "b").await == (1, Some(1), 1)
+                && applied(&client).await.contains_key("other"))
+            .then_some(())
+        },
+    )
+    .await;
     running.stop().await;
     kit::delete_group_topology(&cfg).await;
 }

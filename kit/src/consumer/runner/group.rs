@@ -88,6 +88,7 @@ pub(super) async fn run<H: Handler>(
     let mut owned: HashMap<u16, Owned> = HashMap::new();
     let mut tasks: FuturesUnordered<JoinHandle<(u16, Result<(), String>)>> =
         FuturesUnordered::new();
+    let mut task_partition: HashMap<tokio::task::Id, u16> = HashMap::new();
     let mut drain: Option<JoinHandle<()>> = None;
     let mut beat = tokio::time::interval(ordered.member_lease / 3);
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -107,7 +108,12 @@ pub(super) async fn run<H: Handler>(
             }
             Some(done) = tasks.next(), if !tasks.is_empty() => match done {
                 Ok((p, r)) => Wake::PartitionEnded(p, r),
-                Err(e) => Wake::PartitionEnded(u16::MAX, Err(e.to_string())),
+                // A panic outside the handler (handlers' panics are caught in `process`):
+                // forget the partition so the next heartbeat takes it again.
+                Err(e) => {
+                    let p = task_partition.get(&e.id()).copied().unwrap_or(u16::MAX);
+                    Wake::PartitionEnded(p, Err(e.to_string()))
+                }
             },
             _ = async { drain.as_mut().expect("guarded").await }, if drain.is_some() => Wake::Drained,
             _ = beat.tick(), if !stopping.is_cancelled() => Wake::Beat,
@@ -127,6 +133,7 @@ pub(super) async fn run<H: Handler>(
                     events::partition_ended(&cfg.name, p, &why);
                 }
                 owned.remove(&p);
+                task_partition.retain(|_, q| *q != p);
             }
             Wake::Drained => drain = None,
             Wake::Beat => {
@@ -171,7 +178,9 @@ pub(super) async fn run<H: Handler>(
                         permits.clone(),
                         stop,
                     );
-                    tasks.push(tokio::spawn(async move { (p, task.await) }));
+                    let handle = tokio::spawn(async move { (p, task.await) });
+                    task_partition.insert(handle.id(), p);
+                    tasks.push(handle);
                 }
             }
             Wake::Drain => {

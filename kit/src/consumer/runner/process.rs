@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use futures_util::FutureExt;
 use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
@@ -348,8 +349,14 @@ where
             let Ok(_permit) = permit else {
                 return Tried::Stopped;
             };
-            match tokio::time::timeout(cfg.handler_timeout, attempt(tries)).await {
-                Ok(r) => r,
+            // A panicking handler must not unwind the partition task: dropping its lapin
+            // consumer would send basic.cancel, and single-active-consumer would activate the
+            // next consumer while this channel still holds unacked events. A panic is a bug
+            // that a retry will not fix: dead-letter the event.
+            let guarded = std::panic::AssertUnwindSafe(attempt(tries)).catch_unwind();
+            match tokio::time::timeout(cfg.handler_timeout, guarded).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(HandlerError::Terminal("the handler panicked".into())),
                 Err(_) => Err(HandlerError::Transient(format!(
                     "message not handled within handler_timeout {:?}",
                     cfg.handler_timeout
