@@ -54,8 +54,7 @@ pub fn config(queue: &str, exchange: &str, worker: &str, prefetch: NonZeroU16) -
     let mut cfg = ConsumerConfig::new(GROUP, exchange, &["#"]);
     cfg.queue = queue.to_owned();
     cfg.prefetch = prefetch;
-    // An ordered consumer group. FIXME(soak): the run still watches `queue` itself; the
-    // group consumes `<queue>.p00` .. `<queue>.p07` (the soak's group rework follows).
+    // An ordered consumer group on `<queue>.p00` .. `<queue>.p07`.
     cfg.ordered = Some(Ordered {
         on_dead: OnDead::Continue,
         ..Ordered::default()
@@ -68,6 +67,13 @@ pub fn config(queue: &str, exchange: &str, worker: &str, prefetch: NonZeroU16) -
     cfg.handler_timeout = Duration::from_secs(20);
     cfg.connection_name = format!("outbox-soak-consumer {worker}");
     cfg
+}
+
+/// The partition queues of the soak's consumer group on `queue`.
+pub fn partition_queues(queue: &str) -> Vec<String> {
+    let cfg = config(queue, "unused", "", NonZeroU16::MIN);
+    let partitions = cfg.ordered.as_ref().map_or(0, |o| o.partitions.get());
+    (0..partitions).map(|p| cfg.partition_queue(p)).collect()
 }
 
 struct Soak {
