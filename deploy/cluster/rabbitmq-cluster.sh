@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A three-node RabbitMQ cluster on this machine, for trying the relay against a cluster and
 # for the cluster test (tests/it/cluster.rs). Each node has its own node name, AMQP port,
-# Erlang distribution port and data directory; none loads a plugin (so no management port
-# clashes with the node already running on 5672/15672).
+# Erlang distribution port and data directory; none loads the management plugin (so no
+# management port clashes with the node already running on 5672/15672), each loads
+# rabbitmq_consistent_hash_exchange (ordered consumer groups).
 #
 #   deploy/cluster/rabbitmq-cluster.sh start          # start the three nodes and cluster them
 #   deploy/cluster/rabbitmq-cluster.sh status         # nodes, ports, cluster and quorum queues
@@ -85,7 +86,8 @@ start_node() {
     return 0
   fi
   mkdir -p "$dir/mnesia" "$dir/log"
-  : >"$dir/enabled_plugins"
+  # Ordered consumer groups need the consistent-hash exchange (Erlang term syntax).
+  echo '[rabbitmq_consistent_hash_exchange].' >"$dir/enabled_plugins"
   # The node's own listener: the system's /etc/rabbitmq/rabbitmq.conf may name 5672.
   printf 'listeners.tcp.local = 127.0.0.1:%s\n' "${PORTS[$i]}" >"$dir/rabbitmq.conf"
   if [ "$(broker_user)" != "$(id -un)" ]; then chown -R "$(broker_user)" "$DIR"; fi

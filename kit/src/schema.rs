@@ -78,6 +78,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0011_bounded_claims.sql",
         sql: include_str!("../../sql/0011_bounded_claims.sql"),
     },
+    Migration {
+        version: 12,
+        name: "0012_consumer_groups.sql",
+        sql: include_str!("../../sql/0012_consumer_groups.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

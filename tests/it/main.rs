@@ -11,6 +11,7 @@ mod demo;
 mod deploy;
 mod docs;
 mod effects;
+mod groups;
 mod http_api;
 mod layout;
 mod migrate;

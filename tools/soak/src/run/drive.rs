@@ -61,9 +61,14 @@ pub(super) async fn drive(
         Duration::from_secs(60),
         Duration::from_millis(300),
         || async {
-            queue_depth(&world.amqp, queue)
-                .await
-                .is_some_and(|(_, consumers)| consumers as usize >= world.consumers.len())
+            // The consumers form an ordered group: every partition queue has its owner.
+            let mut all = true;
+            for p in crate::consumer::partition_queues(queue) {
+                all &= queue_depth(&world.amqp, &p)
+                    .await
+                    .is_some_and(|(_, consumers)| consumers >= 1);
+            }
+            all
         },
     )
     .await;

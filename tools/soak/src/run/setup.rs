@@ -311,13 +311,18 @@ async fn cleanup_broker(amqp: &AmqpTarget, exchange: &str, queue: &str) {
     };
     if let Ok(ch) = conn.create_channel().await {
         let mut queues = vec![queue.to_owned(), format!("{queue}.dlq")];
+        queues.extend(crate::consumer::partition_queues(queue));
         for ms in [100, 200, 400, 800, 1000] {
             queues.push(format!("{queue}.retry.{ms}ms"));
         }
         for q in queues {
             let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
         }
-        for x in [format!("{queue}.dlx"), exchange.to_owned()] {
+        for x in [
+            format!("{queue}.dlx"),
+            format!("{queue}.hash"),
+            exchange.to_owned(),
+        ] {
             let _ = ch
                 .exchange_delete(x.as_str().into(), Default::default())
                 .await;
