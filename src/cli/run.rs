@@ -127,6 +127,7 @@ impl RunArgs {
             relay,
             http_listen,
             admin_token,
+            stage_trace: a.stage_trace.clone(),
         })
     }
 }
