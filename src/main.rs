@@ -18,6 +18,7 @@ use outbox_kit::schema::{self, MigrateError};
 use outbox_relay::demo::{self, DemoError};
 use outbox_relay::http;
 use outbox_relay::operator;
+use outbox_relay::relay::trace::StageTrace;
 use outbox_relay::relay::{self, Deps};
 use outbox_relay::telemetry::{self, Telemetry};
 use tokio_util::sync::CancellationToken;
@@ -242,9 +243,20 @@ async fn run(config: Config) -> anyhow::Result<()> {
             relay: relay_config,
             http_listen,
             admin_token,
+            stage_trace,
         } => {
             let shutdown = shutdown_on_signals();
-            let telemetry = Telemetry::default();
+            let telemetry = match stage_trace {
+                Some(path) => Telemetry::default().with_stage_trace(
+                    StageTrace::create(&path).map_err(|e| {
+                        BadFlag(format!(
+                            "--stage-trace: cannot create {}: {e}",
+                            path.display()
+                        ))
+                    })?,
+                ),
+                None => Telemetry::default(),
+            };
             let pool = db.pool(&schema, "outbox-relay", 8);
             // The endpoint comes up first, so probes see "not ready" while we wait for
             // Postgres, and stays up while the relay drains after SIGTERM.

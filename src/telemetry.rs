@@ -22,6 +22,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tracing::{debug, info, warn};
 
+use crate::relay::trace::StageTrace;
+
 const DOWN_REPEAT: Duration = Duration::from_secs(30);
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -242,6 +244,8 @@ pub struct Telemetry {
     /// Failed publishes are logged at most every 30 s (a broker that nacks everything must
     /// not flood the log); the counts in between are summed into the next line.
     failures: Arc<std::sync::Mutex<FailureLog>>,
+    /// Per-stage timestamps for the benchmark (`run --stage-trace`); off by default.
+    stage_trace: Option<StageTrace>,
 }
 
 #[derive(Debug, Default)]
@@ -269,6 +273,17 @@ pub fn migrations_applied(applied: &[String], already: usize) {
 }
 
 impl Telemetry {
+    /// The same, also writing stage timestamps to `trace` (see [`StageTrace`]).
+    pub fn with_stage_trace(mut self, trace: StageTrace) -> Telemetry {
+        self.stage_trace = Some(trace);
+        self
+    }
+
+    /// Where stage timestamps go, when they are wanted.
+    pub fn stage_trace(&self) -> Option<&StageTrace> {
+        self.stage_trace.as_ref()
+    }
+
     pub fn relay_started(&self, relay_id: &str, exchange: &str, amqp: &dyn Display, listen: bool) {
         info!(target: "outbox_relay", relay_id, exchange, amqp = %amqp, listen, "relay started");
     }

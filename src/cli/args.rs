@@ -375,4 +375,9 @@ pub struct RunArgs {
     /// Payload bytes the relay holds in memory at most (claimed and not yet dispatched).
     #[arg(long, env = "OUTBOX_MAX_IN_MEMORY_BYTES", default_value = "67108864")]
     pub max_in_memory_bytes: String,
+
+    /// Write per-stage timestamps of every claim, publish, ack and mark to this file (for
+    /// the benchmark's latency breakdown; hidden: not an operator's setting).
+    #[arg(long, env = "OUTBOX_STAGE_TRACE", hide = true)]
+    pub stage_trace: Option<std::path::PathBuf>,
 }

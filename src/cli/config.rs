@@ -26,6 +26,8 @@ pub enum Config {
         relay: RelayConfig,
         http_listen: Option<std::net::SocketAddr>,
         admin_token: Option<Secret>,
+        /// `--stage-trace`: where to write stage timestamps (the benchmark's breakdown).
+        stage_trace: Option<std::path::PathBuf>,
     },
     Migrate {
         db: DbTarget,

@@ -140,6 +140,7 @@ impl RunArgs {
             relay,
             http_listen,
             admin_token,
+            stage_trace: a.stage_trace.clone(),
         })
     }
 }

@@ -32,6 +32,7 @@ use super::listen::ListenEvent;
 use super::pacing::Pacing;
 use super::pass::Pass;
 use super::publish::{self, Acked, Session, SessionConfig, SettledBatch};
+use super::trace::Stage;
 use super::writer::{Retry, Writer};
 use super::{Deps, Identity, OnPark, RelayConfig, RelayError};
 use crate::telemetry::Telemetry;
@@ -198,6 +199,9 @@ impl Engine {
         if let Some(session) = self.session.take() {
             session.close().await;
         }
+        if let Some(t) = self.tel.stage_trace() {
+            t.flush();
+        }
     }
 
     fn next_deadline(&self) -> Option<Instant> {
@@ -242,9 +246,16 @@ impl Engine {
 
         if let Some(batch) = self.marks.start(now) {
             let pool = self.deps.pool.clone();
+            let trace = self.tel.stage_trace().cloned();
             self.ops.push(
                 async move {
+                    if let Some(t) = &trace {
+                        t.record(Stage::MarkSent, []);
+                    }
                     let result = claim::mark_dispatched(&pool, batch.iter().map(|(_, a)| a)).await;
+                    if let (Some(t), Ok(_)) = (&trace, &result) {
+                        t.record(Stage::Marked, batch.iter().map(|(_, a)| a.row_id()));
+                    }
                     Done::Mark(batch, result)
                 }
                 .boxed(),
@@ -314,6 +325,8 @@ impl Engine {
         let window = self.cfg.confirm_window.get();
         let max_message = self.cfg.max_message_bytes.get();
         let (mut sent, mut refused) = (0, 0);
+        let tracing = self.tel.stage_trace().is_some();
+        let mut traced = Vec::new();
         while self.hand.in_flight() < window {
             let leases = &self.leases;
             let Some(row) = self.hand.next_ready(|p| leases.sendable(now, p)) else {
@@ -324,6 +337,9 @@ impl Engine {
                 Ok(message) => {
                     session.publish(partition, message);
                     sent += 1;
+                    if tracing {
+                        traced.push(id);
+                    }
                 }
                 Err(refusal) => {
                     refused += 1;
@@ -341,6 +357,9 @@ impl Engine {
         }
         if sent > 0 {
             self.tel.published(sent, self.hand.in_flight());
+            if let Some(t) = self.tel.stage_trace() {
+                t.record(Stage::Published, traced);
+            }
         }
         if refused > 0 {
             self.tel.rows_refused(refused);
@@ -371,8 +390,12 @@ impl Engine {
         let relay_id = self.id.relay_id.clone();
         let block = self.cfg.on_park == OnPark::BlockKey;
         let max_message = self.cfg.max_message_bytes.get();
+        let trace = self.tel.stage_trace().cloned();
         self.ops.push(
             async move {
+                if let Some(t) = &trace {
+                    t.record(Stage::ClaimSent, []);
+                }
                 let req = claim::ClaimRequest {
                     relay_id: &relay_id,
                     after: plan.after,
@@ -386,6 +409,9 @@ impl Engine {
                     held: &held,
                 };
                 let result = claim::claim(&pool, req).await;
+                if let (Some(t), Ok(claimed)) = (&trace, &result) {
+                    t.record(Stage::ClaimReturned, claimed.rows.iter().map(|r| r.id));
+                }
                 Done::Claim(ClaimMeta { limit, sweeping }, result)
             }
             .boxed(),
@@ -409,6 +435,9 @@ impl Engine {
                 self.pass.want();
             }
             Wake::Listen(ListenEvent::Notified) => {
+                if let Some(t) = self.tel.stage_trace() {
+                    t.record(Stage::Notified, []);
+                }
                 self.pacing.notified();
                 self.pass.want();
             }

@@ -24,6 +24,7 @@ mod pacing;
 mod pass;
 pub mod publish;
 pub mod retention;
+pub mod trace;
 mod writer;
 
 use std::num::{NonZeroU32, NonZeroUsize};

@@ -12,6 +12,7 @@ use crate::relay::OnPark;
 use crate::relay::claim::{Failure, FailureKind, NACKED, Recorded, UNROUTABLE};
 use crate::relay::hand::{Hand, Held, Key};
 use crate::relay::publish::{Outcome, SettledBatch};
+use crate::relay::trace::Stage;
 use crate::telemetry::SettledCounts;
 
 impl Engine {
@@ -26,6 +27,8 @@ impl Engine {
         let mut counts = SettledCounts::default();
         let mut confirm_secs = Vec::with_capacity(batch.len());
         let mut commit_secs = Vec::with_capacity(batch.len());
+        let tracing = self.tel.stage_trace().is_some();
+        let mut traced = Vec::new();
         let now_unix = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
@@ -34,6 +37,9 @@ impl Engine {
                 Outcome::Acked(acked) => {
                     counts.acked += 1;
                     self.published += 1;
+                    if tracing {
+                        traced.push(s.row_id);
+                    }
                     confirm_secs.push(s.confirm_secs);
                     if let Some(row) = self.hand.head(&s.key, s.row_id) {
                         commit_secs.push((now_unix - row.created_epoch).max(0.0));
@@ -93,6 +99,9 @@ impl Engine {
                     reason,
                 },
             ));
+        }
+        if let Some(t) = self.tel.stage_trace() {
+            t.record(Stage::Acked, traced);
         }
         self.tel
             .batch_settled(counts, &confirm_secs, &commit_secs, self.hand.in_flight());

@@ -151,6 +151,10 @@ impl BenchBroker {
 /// write from different tasks and nothing else needs to be consistent.
 pub struct Arrivals {
     origin: Instant,
+    /// `origin` on the wall clock (Unix nanoseconds), to join with the relay's stage trace.
+    origin_unix_ns: u128,
+    /// When each producer sent the INSERT.
+    started: Vec<AtomicU64>,
     committed: Vec<AtomicU64>,
     arrived: Vec<AtomicU64>,
     arrived_count: AtomicUsize,
@@ -160,8 +164,14 @@ pub struct Arrivals {
 
 impl Arrivals {
     pub fn new(len: usize) -> Arrivals {
+        let origin = Instant::now();
+        let origin_unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
         Arrivals {
-            origin: Instant::now(),
+            origin,
+            origin_unix_ns,
+            started: (0..len).map(|_| AtomicU64::new(0)).collect(),
             committed: (0..len).map(|_| AtomicU64::new(0)).collect(),
             arrived: (0..len).map(|_| AtomicU64::new(0)).collect(),
             arrived_count: AtomicUsize::new(0),
@@ -171,6 +181,32 @@ impl Arrivals {
 
     fn stamp(&self) -> u64 {
         self.origin.elapsed().as_nanos() as u64 + 1
+    }
+
+    /// Event `n`'s INSERT is about to be sent.
+    pub fn started(&self, n: u64) {
+        if let Some(slot) = self.started.get(n as usize) {
+            slot.store(self.stamp(), Ordering::Relaxed);
+        }
+    }
+
+    /// How long each producer's INSERT (autocommit) of events `range` took, ms.
+    pub fn insert_ms(&self, range: std::ops::Range<usize>) -> Vec<f64> {
+        range
+            .filter_map(|n| {
+                let s = self.started[n].load(Ordering::Relaxed);
+                let c = self.committed[n].load(Ordering::Relaxed);
+                (s != 0 && c >= s).then(|| (c - s) as f64 / 1e6)
+            })
+            .collect()
+    }
+
+    /// Event `n`'s commit and arrival on the wall clock (Unix ns), when both happened.
+    pub fn commit_and_arrival_unix(&self, n: usize) -> Option<(u128, u128)> {
+        let c = self.committed.get(n)?.load(Ordering::Relaxed);
+        let a = self.arrived.get(n)?.load(Ordering::Relaxed);
+        let unix = |stamp: u64| self.origin_unix_ns + u128::from(stamp - 1);
+        (c != 0 && a != 0).then(|| (unix(c), unix(a)))
     }
 
     pub fn committed(&self, n: u64) {
@@ -195,6 +231,14 @@ impl Arrivals {
                 self.strays.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Events of `range` whose commit was recorded.
+    pub fn committed_count(&self, range: std::ops::Range<usize>) -> usize {
+        self.committed[range]
+            .iter()
+            .filter(|c| c.load(Ordering::Relaxed) != 0)
+            .count()
     }
 
     pub fn arrived_count(&self) -> usize {

@@ -1,9 +1,12 @@
-//! `outbox-bench`: measures the relay against the broker's own ceiling (issue 6).
+//! `outbox-bench`: measures the relay against the broker's own ceiling and, for latency and
+//! load on Postgres, against the simplest correct relay run in the same sitting.
 //!
 //! One run reports, as a Markdown table on stdout and as JSON (`--json`): (1) the broker
 //! ceiling, raw publishing with confirms and no database; (2) the drain of a backlog by
 //! the relay, as a ratio to (1); (3) commit-to-consumer latency at steady producer rates,
-//! with LISTEN and with `--no-listen`; (4) producer commit throughput with the relay's
+//! with LISTEN and with `--no-listen`, next to the yardstick and to no relay (Postgres CPU
+//! and WAL per event, the producers' INSERT latency), and our relay's latency stage by
+//! stage; (4) producer commit throughput with the relay's
 //! triggers in each relay state, against the same table without triggers, and the idle
 //! wake-up latency; (5) the drain with millions of dispatched rows in the table against an
 //! empty one, and with retention deleting them; (6) the relay's peak memory and CPU per
@@ -14,8 +17,8 @@
 //! one unless `--relay-bin` says otherwise, so `cargo build --release` first. Every
 //! measurement uses its own database (`bench_<pid>_<n>`) and its own exchange and queue
 //! (`bench.<pid>.<tag>`), all dropped afterwards. `--smoke` runs every section at tiny
-//! sizes in well under a minute, dropping its databases at the end (the test suite runs it
-//! so the bench cannot rot).
+//! sizes in about a minute, dropping its databases at the end (the test suite runs it so
+//! the bench cannot rot).
 
 mod amqp;
 mod pg;
@@ -23,8 +26,10 @@ mod procfs;
 mod relay;
 mod report;
 mod sections;
+mod stages;
 mod stats;
 mod svg;
+mod yardstick;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,9 +51,12 @@ const SECTIONS: [&str; 7] = [
 #[derive(Debug, Parser)]
 #[command(
     name = "outbox-bench",
-    about = "Benchmarks outbox-relay against the broker's own ceiling (issue 6); see docs/benchmarks.md"
+    about = "Benchmarks outbox-relay against the broker's own ceiling and a minimal relay measured in the same run; see docs/benchmarks.md"
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Hidden>,
+
     /// Every section at tiny sizes (seconds, not minutes): checks the bench works.
     #[arg(long)]
     smoke: bool,
@@ -89,6 +97,11 @@ struct Args {
     /// A command run during the main drain and stopped with SIGINT, e.g. "perf record -e cpu-clock -a -g -o /tmp/drain.perf".
     #[arg(long)]
     drain_profiler: Option<String>,
+    /// Profile the database work: every statement of the bench databases' sessions, nested
+    /// ones inside functions too, goes to the Postgres server log with its duration
+    /// (auto_explain, loaded per database; needs a superuser). Slows every statement.
+    #[arg(long)]
+    auto_explain: bool,
     /// Where relay logs go [default: target/outbox-bench].
     #[arg(long)]
     work_dir: Option<PathBuf>,
@@ -153,6 +166,14 @@ struct Args {
     scale_events: Option<u64>,
 }
 
+/// Commands the bench runs itself, not meant for users.
+#[derive(Debug, clap::Subcommand)]
+enum Hidden {
+    /// The yardstick relay of the latency section (the bench starts it as a child process).
+    #[command(hide = true)]
+    Yardstick(yardstick::YardstickArgs),
+}
+
 impl Args {
     fn settings(&self) -> Settings {
         let smoke = self.smoke;
@@ -182,8 +203,14 @@ impl Args {
                     .unwrap_or_else(|| if smoke { "200ms".into() } else { "1s".into() }),
                 listen: true,
                 retention: None,
+                stage_trace: None,
             },
-            latency_rates: pick(&self.latency_rates, &[1_000, 5_000], &[200, 1_000], smoke),
+            latency_rates: pick(
+                &self.latency_rates,
+                &[500, 1_000, 5_000],
+                &[200, 1_000],
+                smoke,
+            ),
             latency_secs: secs(self.latency_secs, 30.0, 1.0),
             latency_warmup_secs: if smoke { 0.0 } else { 1.0 },
             latency_producers: 8,
@@ -220,7 +247,7 @@ impl Args {
 }
 
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
     if let Some(bad) = args.only.iter().find(|s| !SECTIONS.contains(&s.as_str())) {
         eprintln!(
             "outbox-bench: --only: '{bad}' is not one of {}",
@@ -241,6 +268,15 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(1);
         }
     };
+    if let Some(Hidden::Yardstick(y)) = args.command.take() {
+        return match runtime.block_on(yardstick::run(y)) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("outbox-bench yardstick: {e:#}");
+                std::process::ExitCode::from(1)
+            }
+        };
+    }
     match runtime.block_on(run(args)) {
         Ok(true) => std::process::ExitCode::SUCCESS,
         Ok(false) => std::process::ExitCode::from(1),
@@ -283,7 +319,7 @@ async fn run(args: Args) -> Result<bool> {
         amqp_url: args.amqp_url.clone(),
         log_dir: work_dir,
     };
-    let admin = pg::Admin::connect(&args.database_url, s.smoke).await?;
+    let admin = pg::Admin::connect(&args.database_url, s.smoke, args.auto_explain).await?;
     let postgres = admin_version(&admin).await;
     let ctx = Ctx::new(
         s.clone(),
@@ -348,12 +384,9 @@ async fn run(args: Args) -> Result<bool> {
         let mut runs = Vec::new();
         let mut failed = None;
         for &rate in &s.latency_rates {
-            for listen in [true, false] {
-                note(&format!(
-                    "3. latency at {rate}/s, {}",
-                    if listen { "LISTEN" } else { "--no-listen" }
-                ));
-                match sections::latency(&ctx, rate, listen).await {
+            for runner in sections::Runner::ALL {
+                note(&format!("3. latency at {rate}/s, {}", runner.describe()));
+                match sections::latency(&ctx, rate, runner).await {
                     Ok(l) => runs.push(l),
                     Err(e) => failed = Some(e),
                 }

@@ -83,13 +83,16 @@ pub struct Admin {
     counter: AtomicU64,
     /// Databases whose drop waits for [`Admin::close`] (`--smoke`), see [`Admin::drop_db`].
     deferred: Option<std::sync::Mutex<Vec<String>>>,
+    /// Log every statement of the bench databases' sessions with its duration (auto_explain).
+    auto_explain: bool,
 }
 
 impl Admin {
     /// Connects with `url` (any database on the server; it names the server and user),
     /// drops databases left by bench runs that died, and builds a migrated template.
     /// `defer_drops`: drop the measurements' databases only at [`Admin::close`].
-    pub async fn connect(url: &str, defer_drops: bool) -> Result<Admin> {
+    /// `auto_explain`: log every statement of the bench databases with its duration.
+    pub async fn connect(url: &str, defer_drops: bool, auto_explain: bool) -> Result<Admin> {
         let target = DbTarget::parse(url).map_err(|e| anyhow::anyhow!("--database-url: {e}"))?;
         let client = target
             .connect(&Schema::default(), "outbox-bench-admin")
@@ -103,6 +106,7 @@ impl Admin {
             template,
             counter: AtomicU64::new(0),
             deferred: defer_drops.then(Default::default),
+            auto_explain,
         };
         admin.drop_stale().await?;
         admin.build_template().await?;
@@ -165,6 +169,19 @@ impl Admin {
         self.client
             .batch_execute(&format!("ALTER DATABASE {name} SET track_functions = 'pl'"))
             .await?;
+        if self.auto_explain {
+            // For profiles: each statement, nested ones (inside outbox_claim) too, goes to
+            // the server log with its executor time, named by this database.
+            self.client
+                .batch_execute(&format!(
+                    "ALTER DATABASE {name} SET session_preload_libraries = 'auto_explain';
+                     ALTER DATABASE {name} SET auto_explain.log_min_duration = 0;
+                     ALTER DATABASE {name} SET auto_explain.log_nested_statements = on;
+                     ALTER DATABASE {name} SET track_functions = 'all'"
+                ))
+                .await
+                .context("--auto-explain")?;
+        }
         let target = self.target.with_dbname(&name);
         let client = target
             .connect(&Schema::default(), "outbox-bench")
@@ -506,6 +523,47 @@ impl BenchDb {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         Ok(())
+    }
+
+    /// The row id of each event, by its number in the payload (to join the relay's stage
+    /// trace, which names rows by id, with the bench's times, kept by event number).
+    pub async fn event_ids(&self) -> Result<Vec<(i64, i64)>> {
+        let rows = self
+            .client
+            .query(
+                "SELECT id, (payload->>'order_id')::bigint FROM outbox_events",
+                &[],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// WAL written so far by the whole cluster, bytes (`pg_current_wal_lsn`).
+    pub async fn wal_position(&self) -> Result<f64> {
+        Ok(self
+            .client
+            .query_one(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8",
+                &[],
+            )
+            .await?
+            .get(0))
+    }
+
+    /// Pids of the other backends connected to this database, with their application names.
+    pub async fn backends(&self) -> Result<Vec<(u32, String)>> {
+        let rows = self
+            .client
+            .query(
+                "SELECT pid, coalesce(application_name, '') FROM pg_stat_activity
+                  WHERE datname = $1 AND pid <> pg_backend_pid()",
+                &[&self.name],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<_, i32>(0) as u32, r.get(1)))
+            .collect())
     }
 
     /// Pids of the backends connected to this database (for CPU attribution).

@@ -96,6 +96,11 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// When it was taken.
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+
     pub fn take() -> Snapshot {
         let mut procs = HashMap::new();
         if let Ok(dir) = std::fs::read_dir("/proc") {
@@ -116,6 +121,22 @@ impl Snapshot {
             machine_total,
         }
     }
+}
+
+/// CPU seconds the processes `pids` spent from `a` to `b` (one that started in between
+/// counts from its start).
+pub fn cpu_of(a: &Snapshot, b: &Snapshot, pids: &HashSet<u32>) -> f64 {
+    pids.iter()
+        .filter_map(|pid| {
+            let now = b.procs.get(pid)?;
+            let before = a
+                .procs
+                .get(pid)
+                .filter(|p| p.start_ticks == now.start_ticks)
+                .map_or(0.0, |p| p.cpu);
+            Some((now.cpu - before).max(0.0))
+        })
+        .fold(0.0, |sum, x| sum + x) // not sum(): an empty f64 sum is -0.0
 }
 
 /// CPU seconds spent between two snapshots, by who spent them.

@@ -23,6 +23,8 @@ pub struct RelaySettings {
     pub listen: bool,
     /// The relay's --retention, when set.
     pub retention: Option<String>,
+    /// The relay's (hidden) --stage-trace file, when set: per-stage timestamps.
+    pub stage_trace: Option<PathBuf>,
 }
 
 impl RelaySettings {
@@ -73,10 +75,7 @@ impl Launcher {
         exchange: &str,
         s: &RelaySettings,
     ) -> Result<RelayProcess> {
-        std::fs::create_dir_all(&self.log_dir)?;
-        let log = self.log_dir.join(format!("{name}.log"));
-        let file = std::fs::File::create(&log)
-            .with_context(|| format!("create relay log {}", log.display()))?;
+        let log = self.log_file(name)?;
         let mut args: Vec<String> = vec![
             "run".into(),
             "--database-url".into(),
@@ -104,7 +103,10 @@ impl Launcher {
         if let Some(r) = &s.retention {
             args.extend(["--retention".into(), r.clone()]);
         }
-        let mut cmd = match &self.wrapper {
+        if let Some(t) = &s.stage_trace {
+            args.extend(["--stage-trace".into(), t.display().to_string()]);
+        }
+        let cmd = match &self.wrapper {
             Some(w) => {
                 let mut parts = w.split_whitespace();
                 let program = parts.next().context("--relay-wrapper is empty")?;
@@ -114,23 +116,56 @@ impl Launcher {
             }
             None => Command::new(&self.bin),
         };
-        // The relay's own environment variables would override nothing (flags win), but
-        // a stray RUST_LOG=debug from the caller would slow it down: use its default.
-        cmd.args(&args)
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(file);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("start the relay {}", self.bin.display()))?;
-        Ok(RelayProcess {
-            pid: child.id(),
-            child,
-            log,
-            stopped: false,
-        })
+        spawn(cmd, &args, &log)
     }
+
+    /// Starts the yardstick (this very program's hidden `yardstick` command, see
+    /// `yardstick.rs`) on the same database and exchange, with the same batch size and poll
+    /// interval as `s`; it stops on SIGTERM as the relay does.
+    pub fn start_yardstick(
+        &self,
+        name: &str,
+        db_url: &str,
+        exchange: &str,
+        s: &RelaySettings,
+    ) -> Result<RelayProcess> {
+        let me = std::env::current_exe().context("where is this binary")?;
+        let args = crate::yardstick::YardstickArgs::command_line(
+            db_url,
+            &self.amqp_url,
+            exchange,
+            s.batch_size,
+            &s.poll_interval,
+        );
+        spawn(Command::new(me), &args, &self.log_file(name)?)
+    }
+
+    fn log_file(&self, name: &str) -> Result<PathBuf> {
+        std::fs::create_dir_all(&self.log_dir)?;
+        Ok(self.log_dir.join(format!("{name}.log")))
+    }
+}
+
+/// Starts `cmd` with `args`, its stderr to `log`.
+fn spawn(mut cmd: Command, args: &[String], log: &Path) -> Result<RelayProcess> {
+    let file = std::fs::File::create(log)
+        .with_context(|| format!("create relay log {}", log.display()))?;
+    // The relay's own environment variables would override nothing (flags win), but
+    // a stray RUST_LOG=debug from the caller would slow it down: use its default.
+    cmd.args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file);
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("start {:?}", cmd.get_program()))?;
+    Ok(RelayProcess {
+        pid: child.id(),
+        child,
+        log: log.to_owned(),
+        stopped: false,
+    })
 }
 
 impl RelayProcess {

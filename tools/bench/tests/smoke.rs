@@ -71,7 +71,7 @@ async fn bench_smoke_measures_every_section() {
         "outbox-bench --smoke failed ({status}):\n{stdout}\n{stderr}"
     );
     assert!(stdout.contains("| 1 | broker ceiling"), "{stdout}");
-    assert!(stdout.contains("Issue-6 targets"), "{stdout}");
+    assert!(stdout.contains("Targets:"), "{stdout}");
 
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap())
         .expect("the JSON report parses");
@@ -100,7 +100,18 @@ async fn bench_smoke_measures_every_section() {
     for r in runs {
         assert_eq!(r["missing"], 0, "every latency event arrived: {r}");
         assert!(r["latency"]["samples"].as_u64().unwrap() > 0);
+        if r["listen"] == true {
+            let traced = r["stages"]["events"].as_u64().unwrap();
+            assert!(traced > 0, "the stage trace covers events: {r}");
+        }
     }
+    let yardstick = report["latency"]["yardstick_runs"].as_array().unwrap();
+    assert_eq!(yardstick.len(), 2, "the yardstick at both rates");
+    assert!(yardstick.iter().all(|r| r["missing"] == 0));
+    assert_eq!(
+        report["latency"]["no_relay_runs"].as_array().unwrap().len(),
+        2
+    );
     let producer = &report["producer_cost"];
     assert_eq!(producer["runs"].as_array().unwrap().len(), 7);
     assert!(producer["idle_wakeup"]["samples"].as_u64().unwrap() > 0);

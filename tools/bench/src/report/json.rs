@@ -6,7 +6,8 @@ use serde_json::{Value, json};
 use super::{Outcome, Results, mb, ok};
 use crate::amqp::Ceiling;
 use crate::procfs::CpuSplit;
-use crate::sections::Drain;
+use crate::sections::{Drain, Latency, Runner};
+use crate::stages::STAGES;
 use crate::stats::round3;
 
 impl Results {
@@ -43,25 +44,20 @@ impl Results {
         let latency = self.latency.as_ref().map(|r| {
             r.as_ref()
                 .map(|runs| {
-                    json!({ "runs": runs.iter().map(|l| json!({
-                        "target_rate": l.target_rate,
-                        "listen": l.listen,
-                        "poll_interval": l.poll_interval,
-                        "achieved_rate": l.achieved_rate.round(),
-                        "warmup_events": l.warmup_events,
-                        "latency": l.summary.json(),
-                        "missing": l.missing,
-                        "arrived_before_commit_returned": l.arrived_before_commit_returned,
-                        "p50_ms_by_5s": l.p50_by_5s.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
-                        "postgres": {
-                            "claims": l.pg.claim_calls,
-                            "claim_ms_mean": round3(l.pg.claim_ms / l.pg.claim_calls.max(1) as f64),
-                            "pending_index_blocks_per_claim": round3(l.pg.pending_idx_blks as f64 / l.pg.claim_calls.max(1) as f64),
-                            "transactions": l.pg.xact_commit,
-                            "dead_tuples_at_end": l.pg.dead_tup,
-                            "autovacuums": l.pg.autovacuums,
-                        },
-                    })).collect::<Vec<_>>() })
+                    let of = |runner: Runner| -> Vec<Value> {
+                        runs.iter()
+                            .filter(|l| l.runner == runner)
+                            .map(|l| self.latency_json(l))
+                            .collect()
+                    };
+                    let mut ours = of(Runner::Relay { listen: true });
+                    ours.extend(of(Runner::Relay { listen: false }));
+                    ours.sort_by_key(|v| v["target_rate"].as_u64());
+                    json!({
+                        "runs": ours,
+                        "yardstick_runs": of(Runner::Yardstick),
+                        "no_relay_runs": of(Runner::NoRelay),
+                    })
                 })
                 .map_err(Clone::clone)
         });
@@ -212,6 +208,70 @@ impl Results {
                 "name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met,
             })).collect::<Vec<_>>(),
             "errors": self.errors().iter().map(|(s, e)| json!({"section": s, "error": e})).collect::<Vec<_>>(),
+        })
+    }
+}
+
+impl Results {
+    /// One latency run, with its ratios to the yardstick and to no relay at the same rate.
+    fn latency_json(&self, l: &Latency) -> Value {
+        let ratio = |a: f64, b: Option<f64>| b.filter(|b| *b > 0.0).map(|b| round3(a / b));
+        let yard = self.latency_at(l.target_rate, Runner::Yardstick);
+        let bare = self.latency_at(l.target_rate, Runner::NoRelay);
+        let d = &l.load;
+        let us = |s: f64| round3(d.per_event(s) * 1e6);
+        json!({
+            "target_rate": l.target_rate,
+            "run": l.runner.id(),
+            "listen": l.listen(),
+            "poll_interval": l.poll_interval,
+            "achieved_rate": l.achieved_rate.round(),
+            "warmup_events": l.warmup_events,
+            "latency": l.summary.json(),
+            "p50_ratio_to_yardstick": ratio(l.summary.p50_ms, yard.map(|y| y.summary.p50_ms)),
+            "p99_ratio_to_yardstick": ratio(l.summary.p99_ms, yard.map(|y| y.summary.p99_ms)),
+            "missing": l.missing,
+            "arrived_before_commit_returned": l.arrived_before_commit_returned,
+            "p50_ms_by_5s": l.p50_by_5s.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+            "producer_insert": l.insert.json(),
+            "producer_insert_p50_ratio_to_no_relay": ratio(l.insert.p50_ms, bare.map(|b| b.insert.p50_ms)),
+            "producer_insert_p99_ratio_to_no_relay": ratio(l.insert.p99_ms, bare.map(|b| b.insert.p99_ms)),
+            "load": {
+                "events": d.events,
+                "wall_s": round3(d.wall_s),
+                "relay_cpu_us_per_event": us(d.relay_cpu_s),
+                "postgres_cpu_us_per_event": us(d.pg_cpu_s()),
+                "postgres_relay_backends_cpu_us_per_event": us(d.pg_relay_cpu_s),
+                "postgres_producer_backends_cpu_us_per_event": us(d.pg_producers_cpu_s),
+                "wal_bytes_per_event": round3(d.per_event(d.wal_bytes)),
+            },
+            "postgres": {
+                "claims": l.pg.claim_calls,
+                "claim_ms_mean": round3(l.pg.claim_ms / l.pg.claim_calls.max(1) as f64),
+                "pending_index_blocks_per_claim": round3(l.pg.pending_idx_blks as f64 / l.pg.claim_calls.max(1) as f64),
+                "transactions": l.pg.xact_commit,
+                "dead_tuples_at_end": l.pg.dead_tup,
+                "autovacuums": l.pg.autovacuums,
+            },
+            "stages": l.stages.as_ref().map(|b| json!({
+                "events": b.events,
+                "events_untraced": b.events_untraced,
+                "stages": STAGES.iter().zip(&b.stages).map(|((name, _, _), s)| {
+                    let mut v = s.json();
+                    v["stage"] = json!(name);
+                    v
+                }).collect::<Vec<_>>(),
+                "claims": b.claims,
+                "claims_with_rows": b.claims_with_rows,
+                "claims_per_event": round3(b.claims as f64 / b.events.max(1) as f64),
+                "rows_per_claim_with_rows": round3(b.claim_rows as f64 / b.claims_with_rows.max(1) as f64),
+                "claim_round_trip": b.claim_round_trip.json(),
+                "marks": b.marks,
+                "marks_per_event": round3(b.marks as f64 / b.events.max(1) as f64),
+                "rows_per_mark": round3(b.mark_rows as f64 / b.marks.max(1) as f64),
+                "mark_round_trip": b.mark_round_trip.json(),
+                "notifies_per_event": round3(b.notifies as f64 / b.events.max(1) as f64),
+            })),
         })
     }
 }

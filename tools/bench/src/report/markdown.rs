@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use super::{Results, mb, ok, thousands};
 use crate::amqp::Ceiling;
-use crate::sections::{CeilingRuns, Drain};
+use crate::sections::{CeilingRuns, Drain, Runner};
 
 impl Results {
     /// The Markdown report printed on stdout.
@@ -95,13 +95,16 @@ impl Results {
         }
         match &self.latency {
             Some(Ok(runs)) => {
-                for l in runs {
+                for l in runs
+                    .iter()
+                    .filter(|l| matches!(l.runner, Runner::Relay { .. }))
+                {
                     row(
                         "3",
                         &format!(
                             "latency at {}/s, {}",
                             thousands(l.target_rate as f64),
-                            if l.listen {
+                            if l.listen() {
                                 "LISTEN".to_owned()
                             } else {
                                 format!("--no-listen (poll {})", l.poll_interval)
@@ -313,7 +316,8 @@ impl Results {
             let _ = writeln!(o, "Postgres during the drain (2): {}.\n", pg_line(d));
         }
 
-        let _ = writeln!(o, "Issue-6 targets:\n");
+        o.push_str(&self.latency_tables());
+        let _ = writeln!(o, "Targets:\n");
         let _ = writeln!(o, "| target | goal | measured | met |");
         let _ = writeln!(o, "|---|---|---|---|");
         for t in self.targets() {

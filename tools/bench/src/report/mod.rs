@@ -1,15 +1,18 @@
 //! What a run found, as a Markdown table (stdout, pasteable into BENCHMARKS.md) and as
-//! JSON (`--json`), with the issue-6 targets and how far each is. Every comparison is a
+//! JSON (`--json`), with the targets and how far each is. Every comparison is a
 //! ratio of two figures measured in this run: absolute numbers on a shared 2-core machine
 //! move from run to run, ratios much less.
 //!
 //! Layout: this file holds the results, the targets and the chart; `markdown.rs` the
-//! table, `json.rs` the JSON document.
+//! table, `latency.rs` its latency tables, `json.rs` the JSON document.
 
-use crate::sections::{CeilingRuns, Drain, Growth, Latency, ProducerCost, Scale, Settings, Sweep};
+use crate::sections::{
+    CeilingRuns, Drain, Growth, Latency, ProducerCost, Runner, Scale, Settings, Sweep,
+};
 use crate::svg;
 
 mod json;
+mod latency;
 mod markdown;
 
 /// A section's outcome: not run (`None`), measured, or failed with a message.
@@ -67,7 +70,7 @@ pub struct Results {
     pub scale: Outcome<Scale>,
 }
 
-/// One issue-6 target and how far the run is from it.
+/// One target and how far the run is from it.
 pub struct Target {
     pub name: &'static str,
     pub goal: String,
@@ -139,10 +142,17 @@ impl Results {
         ok(&self.producer)?.busy_ratio()
     }
 
-    fn latency_at(&self, rate: u64, listen: bool) -> Option<&Latency> {
+    fn latency_at(&self, rate: u64, runner: Runner) -> Option<&Latency> {
         ok(&self.latency)?
             .iter()
-            .find(|l| l.target_rate == rate && l.listen == listen)
+            .find(|l| l.target_rate == rate && l.runner == runner)
+    }
+
+    /// The latency runs of one runner, in rate order.
+    fn latency_runs(&self, runner: Runner) -> Vec<&Latency> {
+        ok(&self.latency).map_or(Vec::new(), |runs| {
+            runs.iter().filter(|l| l.runner == runner).collect()
+        })
     }
 
     /// Peak RSS over every drain of the run (the relay's VmHWM), MiB.
@@ -165,7 +175,7 @@ impl Results {
         peaks.into_iter().max().map(mb)
     }
 
-    /// The issue-6 targets, each against this run's figures.
+    /// The targets, each against this run's figures.
     pub fn targets(&self) -> Vec<Target> {
         let yes = |b: bool| Some(b);
         let mut t = Vec::new();
@@ -192,7 +202,7 @@ impl Results {
             }),
             met: w.map(|p| p.wakeup.p99_ms < 50.0 && p.wakeup_missing == 0),
         });
-        let l = self.latency_at(1000, true);
+        let l = self.latency_at(1000, Runner::Relay { listen: true });
         t.push(Target {
             name: "latency at 1,000/s with LISTEN (p50, p99)",
             goal: "< 2 ms, < 5 ms".into(),

@@ -1,4 +1,4 @@
-//! The measurements of issue 6, one function each. Every one builds its own database and
+//! The measurements, one function each. Every one builds its own database and
 //! broker names, runs the relay as a child process, checks that what it measured really
 //! happened (every row dispatched, every message queued or received) and cleans up.
 //!
@@ -27,7 +27,7 @@ mod sweep;
 pub use ceiling::{CeilingRuns, broker_ceiling};
 pub use drain::{Drain, drain, prepare_backlog};
 pub use growth::{Growth, growth};
-pub use latency::{Latency, latency};
+pub use latency::{Latency, Runner, latency};
 pub use producer::{ProducerCost, producer_cost};
 pub use scale::{Scale, scale_out};
 pub use sweep::{Sweep, SweepPoint, sweep};
