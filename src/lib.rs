@@ -15,3 +15,4 @@ pub mod http;
 pub mod operator;
 pub mod relay;
 pub mod telemetry;
+pub mod trace;

@@ -18,9 +18,9 @@ use outbox_kit::schema::{self, MigrateError};
 use outbox_relay::demo::{self, DemoError};
 use outbox_relay::http;
 use outbox_relay::operator;
-use outbox_relay::relay::trace::StageTrace;
 use outbox_relay::relay::{self, Deps};
 use outbox_relay::telemetry::{self, Telemetry};
+use outbox_relay::trace::StageTrace;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {

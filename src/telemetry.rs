@@ -22,7 +22,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tracing::{debug, info, warn};
 
-use crate::relay::trace::StageTrace;
+use crate::trace::StageTrace;
 
 const DOWN_REPEAT: Duration = Duration::from_secs(30);
 

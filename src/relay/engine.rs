@@ -32,10 +32,10 @@ use super::listen::ListenEvent;
 use super::pacing::Pacing;
 use super::pass::Pass;
 use super::publish::{self, Acked, Session, SessionConfig, SettledBatch};
-use super::trace::Stage;
 use super::writer::{Retry, Writer};
 use super::{Deps, Identity, OnPark, RelayConfig, RelayError};
 use crate::telemetry::Telemetry;
+use crate::trace::Stage;
 
 mod done;
 mod settle;

@@ -24,7 +24,6 @@ mod pacing;
 mod pass;
 pub mod publish;
 pub mod retention;
-pub mod trace;
 mod writer;
 
 use std::num::{NonZeroU32, NonZeroUsize};

@@ -12,8 +12,8 @@ use crate::relay::OnPark;
 use crate::relay::claim::{Failure, FailureKind, NACKED, Recorded, UNROUTABLE};
 use crate::relay::hand::{Hand, Held, Key};
 use crate::relay::publish::{Outcome, SettledBatch};
-use crate::relay::trace::Stage;
 use crate::telemetry::SettledCounts;
+use crate::trace::Stage;
 
 impl Engine {
     pub(super) fn settled(&mut self, (generation, batch): SettledBatch) {

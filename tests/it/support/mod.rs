@@ -240,11 +240,19 @@ impl TestDb {
         format!("{prefix}/{}", self.name)
     }
 
+    /// The test's own connection. Its statements (bulk inserts of a test's setup) have no
+    /// statement timeout: on a busy machine they can outlast the kit's 25 s.
     pub async fn client(&self) -> Client {
-        self.target
+        let client = self
+            .target
             .connect(&self.schema, "outbox-it")
             .await
-            .expect("connect test db")
+            .expect("connect test db");
+        client
+            .batch_execute("SET statement_timeout = 0")
+            .await
+            .expect("unset the statement timeout");
+        client
     }
 
     pub fn pool(&self) -> deadpool_postgres::Pool {

@@ -14,6 +14,11 @@ use outbox_kit::contract::Schema;
 use outbox_kit::db::DbTarget;
 use tokio_postgres::Client;
 
+mod counters;
+
+use counters::PG_COUNTERS;
+pub use counters::PgCounters;
+
 /// Builds the payload of event `g` (a bigint) in SQL.
 const PAYLOAD_SQL: &str = "jsonb_build_object(
     'order_id', g,
@@ -261,70 +266,6 @@ fn url_with_db(url: &str, db: &str) -> String {
         None => format!("{host_part}/{db}"),
     }
 }
-
-/// Postgres's own cumulative counters for the bench database's `outbox_events`; subtract
-/// two readings to see what Postgres did in between.
-#[derive(Clone, Debug, Default)]
-pub struct PgCounters {
-    pub xact_commit: i64,
-    pub tup_upd: i64,
-    pub tup_hot_upd: i64,
-    /// Blocks read from outside shared_buffers (the OS cache or disk) and found inside.
-    pub heap_blks_read: i64,
-    pub heap_blks_hit: i64,
-    pub idx_blks_read: i64,
-    pub idx_blks_hit: i64,
-    pub claim_calls: i64,
-    pub claim_ms: f64,
-    /// Blocks of the pending-rows index (the claim's scan) hit or read.
-    pub pending_idx_blks: i64,
-    /// Dead row versions in the table at the later reading (not a difference).
-    pub dead_tup: i64,
-    pub autovacuums: i64,
-    /// Checkpoints started, whole cluster (the bench is its only busy user).
-    pub checkpoints: i64,
-    /// WAL written, whole cluster: bytes and full-page images.
-    pub wal_bytes: i64,
-    pub wal_fpi: i64,
-}
-
-impl PgCounters {
-    pub fn minus(&self, before: &PgCounters) -> PgCounters {
-        PgCounters {
-            xact_commit: self.xact_commit - before.xact_commit,
-            tup_upd: self.tup_upd - before.tup_upd,
-            tup_hot_upd: self.tup_hot_upd - before.tup_hot_upd,
-            heap_blks_read: self.heap_blks_read - before.heap_blks_read,
-            heap_blks_hit: self.heap_blks_hit - before.heap_blks_hit,
-            idx_blks_read: self.idx_blks_read - before.idx_blks_read,
-            idx_blks_hit: self.idx_blks_hit - before.idx_blks_hit,
-            claim_calls: self.claim_calls - before.claim_calls,
-            claim_ms: self.claim_ms - before.claim_ms,
-            pending_idx_blks: self.pending_idx_blks - before.pending_idx_blks,
-            dead_tup: self.dead_tup,
-            autovacuums: self.autovacuums - before.autovacuums,
-            checkpoints: self.checkpoints - before.checkpoints,
-            wal_bytes: self.wal_bytes - before.wal_bytes,
-            wal_fpi: self.wal_fpi - before.wal_fpi,
-        }
-    }
-}
-
-const PG_COUNTERS: &str = "SELECT
-    (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()),
-    t.n_tup_upd, t.n_tup_hot_upd,
-    coalesce(io.heap_blks_read, 0), coalesce(io.heap_blks_hit, 0),
-    coalesce((SELECT sum(idx_blks_read) FROM pg_statio_user_indexes i WHERE i.relid = t.relid), 0)::bigint,
-    coalesce((SELECT sum(idx_blks_hit) FROM pg_statio_user_indexes i WHERE i.relid = t.relid), 0)::bigint,
-    coalesce((SELECT calls FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0),
-    coalesce((SELECT total_time FROM pg_stat_user_functions WHERE funcname = 'outbox_claim'), 0)::float8,
-    coalesce((SELECT idx_blks_hit + idx_blks_read FROM pg_statio_user_indexes
-               WHERE indexrelname = 'outbox_events_pending'), 0),
-    t.n_dead_tup, t.autovacuum_count,
-    (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter),
-    (SELECT wal_bytes::bigint FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal)
-  FROM pg_stat_user_tables t JOIN pg_statio_user_tables io USING (relid)
- WHERE t.relname = 'outbox_events'";
 
 /// One measurement's database.
 pub struct BenchDb {
@@ -605,42 +546,4 @@ impl BenchDb {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn payload_is_about_500_bytes_and_carries_its_number() {
-        let p = payload_json(123_456);
-        assert!((450..560).contains(&p.len()), "{} bytes", p.len());
-        let v: serde_json::Value = serde_json::from_str(&p).unwrap();
-        assert_eq!(v["order_id"], 123_456);
-        assert_eq!(order_id_of(p.as_bytes()), Some(123_456));
-        assert_eq!(order_id_of(b"{}"), None);
-    }
-
-    #[test]
-    fn payload_matches_what_postgres_prints() {
-        // Printed by Postgres 15 for g = 1 from PAYLOAD_SQL.
-        let expected = concat!(
-            r#"{"note": "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", "#,
-            r#""items": [{"qty": 2, "sku": "SKU-1", "price_cents": 31}, {"qty": 2, "sku": "SKU-7", "price_cents": 17}], "#,
-            r#""status": "created", "currency": "EUR", "order_id": 1, "shipping": {"city": "Springfield", "#,
-            r#""name": "Customer 1", "street": "1 Example Street", "country": "DE", "postcode": "00001"}, "#,
-            r#""placed_at": "2026-01-01T00:00:00.000000Z", "customer_id": "cust-000001", "total_cents": 7919}"#
-        );
-        assert_eq!(payload_json(1), expected);
-    }
-
-    #[test]
-    fn database_name_is_replaced_in_urls() {
-        assert_eq!(
-            url_with_db("postgres://postgres@127.0.0.1:5432/postgres", "b"),
-            "postgres://postgres@127.0.0.1:5432/b"
-        );
-        assert_eq!(
-            url_with_db("postgres://u:p@h/x?sslmode=disable", "b"),
-            "postgres://u:p@h/b?sslmode=disable"
-        );
-        assert_eq!(url_with_db("postgres://h:5432", "b"), "postgres://h:5432/b");
-    }
-}
+mod tests;

@@ -1,5 +1,5 @@
 //! The latency breakdown: the relay's stage trace (`outbox-relay run --stage-trace FILE`,
-//! written by src/relay/trace.rs) joined with the bench's own commit and arrival times,
+//! written by src/trace.rs) joined with the bench's own commit and arrival times,
 //! per event: commit → relay woken → claim sent → claim returned → published → confirmed
 //! → marked, and published → delivered.
 //!
@@ -44,7 +44,7 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// Parses the trace's lines (see src/relay/trace.rs); lines it does not know are skipped,
+    /// Parses the trace's lines (see src/trace.rs); lines it does not know are skipped,
     /// and so is a last line cut short.
     pub fn parse(text: &str) -> Trace {
         let mut t = Trace::default();
