@@ -114,16 +114,22 @@ async fn the_same_seed_draws_the_same_fault_schedule() {
         "pg_terminate_backend",
         "SIGKILL consumer",
         "publish copies",
+        "between the broker's ack and its mark",
+        "restart Postgres",
+        "restart the RabbitMQ node",
     ] {
         assert!(a.contains(kind), "90 s of seed 11 injects '{kind}':\n{a}");
     }
 }
 
-/// Two fixed seeds, 45 s of faults each, then the quiet period and the checker.
+/// Two fixed seeds, 45 s of faults each, then the quiet period and the checker, each on a
+/// private Postgres server and RabbitMQ node of its own: seed 12 restarts Postgres and
+/// kills a relay between the broker's ack and its mark; seed 23 does both and restarts
+/// the RabbitMQ node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounded_soak_with_fixed_seeds_passes() {
     let _one = ONE_AT_A_TIME.lock().await;
-    for seed in [11, 12] {
+    for seed in [12, 23] {
         let o = soak(seed, "45s", &[]).await;
         let line = verdict_line(&o.stdout);
         println!("{line}");
@@ -157,6 +163,24 @@ async fn bounded_soak_with_fixed_seeds_passes() {
                 .all(|f| f["recovery_ms"].is_i64()),
             "a recovery time for every injected fault"
         );
+        for kind in ["restart_postgres", "kill_between_ack_and_mark"]
+            .iter()
+            .chain(if seed == 23 {
+                &["restart_rabbitmq"][..]
+            } else {
+                &[]
+            })
+        {
+            assert!(
+                faults
+                    .iter()
+                    .any(|f| f["kind"] == *kind && f["injected"] == true),
+                "seed {seed} injects {kind}: {line}"
+            );
+        }
+        let caught = &r["between_ack_and_mark"];
+        assert!(caught["rows"].as_u64().unwrap() > 0, "{line}");
+        assert_eq!(caught["published_again"], caught["rows"], "{line}");
     }
 }
 

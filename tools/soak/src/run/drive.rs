@@ -20,7 +20,7 @@ use crate::procs::wait_until;
 use crate::producer::{self, Load, now_ms};
 use crate::rng::Rng;
 use crate::schedule::{Planned, Shape};
-use crate::tap::{self, Tap};
+use crate::tap;
 
 use super::RunArgs;
 use super::faults::{self, World};
@@ -33,11 +33,11 @@ pub(super) async fn drive(
     shape: &Shape,
     plan: Vec<Planned>,
     world: &Arc<World>,
-    client: &Client,
-    tap: &Tap,
+    client: Client,
     queue: &str,
     work: &std::path::Path,
 ) -> anyhow::Result<bool> {
+    let tap = &world.tap;
     for slot in world.relays.iter().chain(&world.consumers) {
         slot.start().await?;
     }
@@ -176,6 +176,32 @@ pub(super) async fn drive(
         let _ = tokio::time::timeout(Duration::from_secs(60), f).await;
     }
     world.heal().await?;
+    // A restart of Postgres ended the first connection; this one sees the quiet period.
+    let client = if client.is_closed() || client.simple_query("SELECT 1").await.is_err() {
+        let fresh = wait_until(
+            Duration::from_secs(60),
+            Duration::from_millis(500),
+            || async {
+                world
+                    .target
+                    .connect(&Schema::default(), "outbox-soak")
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        anyhow::ensure!(
+            fresh,
+            "no connection to Postgres within 60 s after the faults"
+        );
+        world
+            .target
+            .connect(&Schema::default(), "outbox-soak")
+            .await?
+    } else {
+        client
+    };
+    let client = &client;
     stop_producing.cancel();
     for p in producers {
         let _ = p.await;
@@ -252,7 +278,6 @@ pub(super) async fn drive(
         args,
         world,
         client,
-        tap,
         queue,
         records,
         produced,
