@@ -97,6 +97,8 @@ REVOKE ALL ON TABLE
     :"schema".outbox_events, :"schema".outbox_key_seq, :"schema".outbox_partitions,
     :"schema".outbox_relays,
     :"schema".outbox_inbox, :"schema".outbox_inbox_keys, :"schema".outbox_inbox_gaps,
+    :"schema".outbox_inbox_held, :"schema".outbox_consumer_groups,
+    :"schema".outbox_consumer_members,
     :"schema".outbox_effects, :"schema".outbox_budgets, :"schema".outbox_budget_reservations,
     :"schema".outbox_effect_strays
     FROM :"relay_role", :"producer_role", :"consumer_role";
@@ -148,6 +150,10 @@ GRANT SELECT, INSERT, DELETE ON :"schema".outbox_inbox TO :"consumer_role";
 GRANT UPDATE (outcome, reason) ON :"schema".outbox_inbox TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_inbox_keys TO :"consumer_role";
 GRANT SELECT, INSERT ON :"schema".outbox_inbox_gaps TO :"consumer_role";
+-- Ordered consumer groups (0012): the partition count, members' heartbeats, held events.
+GRANT SELECT, INSERT ON :"schema".outbox_consumer_groups TO :"consumer_role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_consumer_members TO :"consumer_role";
+GRANT SELECT, INSERT, DELETE ON :"schema".outbox_inbox_held TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_effects TO :"consumer_role";
 -- outbox_effect_stray records an item out at a destination beside a row not its own;
 -- operators mark one resolved (resolved_at) once they dealt with it.
@@ -174,6 +180,15 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_inbox_record', :'consumer_role'),
     ('outbox_inbox_gap', :'consumer_role'),
     ('outbox_inbox_dead', :'consumer_role'),
+    ('outbox_group_join', :'consumer_role'),
+    ('outbox_group_beat', :'consumer_role'),
+    ('outbox_group_leave', :'consumer_role'),
+    ('outbox_group_record', :'consumer_role'),
+    ('outbox_group_advance', :'consumer_role'),
+    ('outbox_group_dead', :'consumer_role'),
+    ('outbox_group_releasable', :'consumer_role'),
+    ('outbox_group_take_held', :'consumer_role'),
+    ('outbox_consumer_release', :'consumer_role'),
     ('outbox_budget_set', :'consumer_role'),
     ('outbox_budget_reserve', :'consumer_role'),
     ('outbox_budget_release', :'consumer_role'),

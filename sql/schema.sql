@@ -366,6 +366,34 @@ END
 $$;
 
 --
+-- Name: outbox_consumer_release(text, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_consumer_release(p_consumer text, p_aggregate_type text, p_aggregate_id text) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+DECLARE
+    v_blocked bigint;
+BEGIN
+    SELECT k.blocked_seq INTO v_blocked FROM outbox_inbox_keys k
+     WHERE k.consumer = p_consumer AND k.aggregate_type = p_aggregate_type
+       AND k.aggregate_id = p_aggregate_id
+       FOR UPDATE;
+    IF v_blocked IS NULL THEN
+        RETURN NULL;
+    END IF;
+    UPDATE outbox_inbox_keys k SET blocked_seq = NULL, blocked_at = NULL, blocked_reason = NULL,
+                                   updated_at = now()
+     WHERE k.consumer = p_consumer AND k.aggregate_type = p_aggregate_type
+       AND k.aggregate_id = p_aggregate_id;
+    RETURN (SELECT count(*) FROM outbox_inbox_held h
+             WHERE h.consumer = p_consumer AND h.aggregate_type = p_aggregate_type
+               AND h.aggregate_id = p_aggregate_id);
+END
+$$;
+
+--
 -- Name: outbox_effect_cancel(text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -679,6 +707,218 @@ CREATE FUNCTION public.outbox_enqueue(aggregate_type text, aggregate_id text, ev
     VALUES ($1, $2, $3, $4, coalesce($5, '{}'), coalesce($6, now()))
     RETURNING event_id
 $_$;
+
+--
+-- Name: outbox_group_advance(text, uuid, text, text, bigint, bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_advance(p_consumer text, p_event_id uuid, p_aggregate_type text, p_aggregate_id text, p_seq bigint, p_last bigint) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+BEGIN
+    INSERT INTO outbox_inbox (consumer, event_id, aggregate_type, aggregate_id, seq)
+    VALUES (p_consumer, p_event_id, p_aggregate_type, p_aggregate_id, p_seq);
+    UPDATE outbox_inbox_keys ik SET last_seq = p_seq, updated_at = now()
+     WHERE ik.consumer = p_consumer AND ik.aggregate_type = p_aggregate_type
+       AND ik.aggregate_id = p_aggregate_id;
+    IF p_seq > p_last + 1 THEN
+        INSERT INTO outbox_inbox_gaps
+            (consumer, aggregate_type, aggregate_id, expected_seq, got_seq, event_id, action)
+        VALUES (p_consumer, p_aggregate_type, p_aggregate_id, p_last + 1, p_seq, p_event_id, 'jumped');
+        RETURN 'jumped';
+    END IF;
+    RETURN 'apply';
+END
+$$;
+
+--
+-- Name: outbox_group_beat(text, text, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_beat(p_consumer text, p_member text, p_lease_ms integer) RETURNS SETOF text
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+BEGIN
+    DELETE FROM outbox_consumer_members m
+     WHERE m.consumer = p_consumer AND m.lease_until < clock_timestamp();
+    INSERT INTO outbox_consumer_members AS m (consumer, member, lease_until)
+    VALUES (p_consumer, p_member, clock_timestamp() + make_interval(secs => p_lease_ms / 1000.0))
+    ON CONFLICT (consumer, member) DO UPDATE SET lease_until = excluded.lease_until;
+    RETURN QUERY SELECT m.member FROM outbox_consumer_members m
+                  WHERE m.consumer = p_consumer ORDER BY m.member COLLATE "C";
+END
+$$;
+
+--
+-- Name: outbox_group_dead(text, uuid, text, text, bigint, text, boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_dead(p_consumer text, p_event_id uuid, p_aggregate_type text, p_aggregate_id text, p_seq bigint, p_reason text, p_block boolean) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+BEGIN
+    INSERT INTO outbox_inbox (consumer, event_id, aggregate_type, aggregate_id, seq, outcome, reason)
+    VALUES (p_consumer, p_event_id, p_aggregate_type, p_aggregate_id, p_seq, 'dead', p_reason)
+    ON CONFLICT (consumer, event_id) DO UPDATE SET outcome = 'dead', reason = excluded.reason;
+    INSERT INTO outbox_inbox_keys AS k (consumer, aggregate_type, aggregate_id, last_seq)
+    VALUES (p_consumer, p_aggregate_type, p_aggregate_id, p_seq)
+    ON CONFLICT (consumer, aggregate_type, aggregate_id)
+    DO UPDATE SET last_seq = greatest(k.last_seq, excluded.last_seq), updated_at = now();
+    DELETE FROM outbox_inbox_held h
+     WHERE h.consumer = p_consumer AND h.aggregate_type = p_aggregate_type
+       AND h.aggregate_id = p_aggregate_id AND h.seq = p_seq;
+    IF p_block THEN
+        UPDATE outbox_inbox_keys k
+           SET blocked_seq = p_seq, blocked_at = now(), blocked_reason = p_reason
+         WHERE k.consumer = p_consumer AND k.aggregate_type = p_aggregate_type
+           AND k.aggregate_id = p_aggregate_id;
+    END IF;
+END
+$$;
+
+--
+-- Name: outbox_group_join(text, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_join(p_consumer text, p_partitions integer) RETURNS integer
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+DECLARE
+    v_recorded integer;
+BEGIN
+    INSERT INTO outbox_consumer_groups (consumer, partitions) VALUES (p_consumer, p_partitions)
+    ON CONFLICT DO NOTHING;
+    SELECT g.partitions INTO v_recorded FROM outbox_consumer_groups g WHERE g.consumer = p_consumer;
+    IF v_recorded <> p_partitions THEN
+        RAISE EXCEPTION 'consumer group % has % partitions, not %: changing the count maps keys to other partitions while their earlier events still wait in the old ones, so two consumers would apply one key at once; drain the group and delete its row in outbox_consumer_groups first (docs/consumer-kit.md, "Changing the partition count")',
+                        p_consumer, v_recorded, p_partitions
+            USING ERRCODE = 'OB002',
+                  DETAIL = jsonb_build_object('consumer', p_consumer, 'recorded', v_recorded,
+                                              'asked', p_partitions)::text;
+    END IF;
+    RETURN v_recorded;
+END
+$$;
+
+--
+-- Name: outbox_group_leave(text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_leave(p_consumer text, p_member text) RETURNS void
+    LANGUAGE sql
+    SET search_path TO 'public'
+    AS $$
+    DELETE FROM outbox_consumer_members WHERE consumer = p_consumer AND member = p_member
+$$;
+
+--
+-- Name: outbox_group_record(text, integer, uuid, text, text, bigint, text, text, jsonb, bytea); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_record(p_consumer text, p_partition integer, p_event_id uuid, p_aggregate_type text, p_aggregate_id text, p_seq bigint, p_event_type text, p_routing_key text, p_headers jsonb, p_body bytea) RETURNS TABLE(outcome text, last_seq bigint)
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+DECLARE
+    k outbox_inbox_keys%ROWTYPE;
+BEGIN
+    IF p_seq IS NULL OR p_seq < 1 THEN
+        RAISE EXCEPTION 'an ordered consumer group needs the event''s seq (x-outbox-seq), got %', p_seq
+            USING ERRCODE = '22023';
+    END IF;
+    INSERT INTO outbox_inbox_keys (consumer, aggregate_type, aggregate_id)
+    VALUES (p_consumer, p_aggregate_type, p_aggregate_id)
+    ON CONFLICT DO NOTHING;
+    SELECT * INTO k FROM outbox_inbox_keys ik
+     WHERE ik.consumer = p_consumer AND ik.aggregate_type = p_aggregate_type
+       AND ik.aggregate_id = p_aggregate_id
+       FOR UPDATE;
+    IF p_seq <= k.last_seq OR EXISTS (
+        SELECT 1 FROM outbox_inbox i WHERE i.consumer = p_consumer AND i.event_id = p_event_id
+    ) THEN
+        RETURN QUERY SELECT 'duplicate'::text, k.last_seq;
+        RETURN;
+    END IF;
+    IF k.blocked_seq IS NOT NULL OR EXISTS (
+        SELECT 1 FROM outbox_inbox_held h
+         WHERE h.consumer = p_consumer AND h.aggregate_type = p_aggregate_type
+           AND h.aggregate_id = p_aggregate_id
+    ) THEN
+        INSERT INTO outbox_inbox_held (consumer, partition, aggregate_type, aggregate_id, seq,
+                                       event_id, event_type, routing_key, headers, body)
+        VALUES (p_consumer, p_partition, p_aggregate_type, p_aggregate_id, p_seq,
+                p_event_id, p_event_type, p_routing_key, coalesce(p_headers, '{}'), p_body)
+        ON CONFLICT DO NOTHING;
+        RETURN QUERY SELECT 'held'::text, k.last_seq;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT outbox_group_advance(p_consumer, p_event_id, p_aggregate_type,
+                                             p_aggregate_id, p_seq, k.last_seq), k.last_seq;
+END
+$$;
+
+--
+-- Name: outbox_group_releasable(text, integer[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_releasable(p_consumer text, p_partitions integer[]) RETURNS TABLE(aggregate_type text, aggregate_id text)
+    LANGUAGE sql STABLE
+    SET search_path TO 'public'
+    AS $$
+    SELECT DISTINCT h.aggregate_type, h.aggregate_id
+      FROM outbox_inbox_held h
+      JOIN outbox_inbox_keys k ON k.consumer = h.consumer
+       AND k.aggregate_type = h.aggregate_type AND k.aggregate_id = h.aggregate_id
+     WHERE h.consumer = p_consumer AND h.partition = ANY (p_partitions)
+       AND k.blocked_seq IS NULL
+$$;
+
+--
+-- Name: outbox_group_take_held(text, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_take_held(p_consumer text, p_aggregate_type text, p_aggregate_id text) RETURNS TABLE(outcome text, event_id uuid, seq bigint, event_type text, routing_key text, headers jsonb, body bytea, partition integer)
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+DECLARE
+    k outbox_inbox_keys%ROWTYPE;
+    h outbox_inbox_held%ROWTYPE;
+    v_outcome text;
+BEGIN
+    SELECT * INTO k FROM outbox_inbox_keys ik
+     WHERE ik.consumer = p_consumer AND ik.aggregate_type = p_aggregate_type
+       AND ik.aggregate_id = p_aggregate_id
+       FOR UPDATE;
+    IF NOT FOUND OR k.blocked_seq IS NOT NULL THEN
+        RETURN;
+    END IF;
+    SELECT * INTO h FROM outbox_inbox_held hh
+     WHERE hh.consumer = p_consumer AND hh.aggregate_type = p_aggregate_type
+       AND hh.aggregate_id = p_aggregate_id
+     ORDER BY hh.seq LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    DELETE FROM outbox_inbox_held hh
+     WHERE hh.consumer = p_consumer AND hh.aggregate_type = p_aggregate_type
+       AND hh.aggregate_id = p_aggregate_id AND hh.seq = h.seq;
+    IF h.seq <= k.last_seq OR EXISTS (
+        SELECT 1 FROM outbox_inbox i WHERE i.consumer = p_consumer AND i.event_id = h.event_id
+    ) THEN
+        v_outcome := 'duplicate';
+    ELSE
+        v_outcome := outbox_group_advance(p_consumer, h.event_id, p_aggregate_type,
+                                          p_aggregate_id, h.seq, k.last_seq);
+    END IF;
+    RETURN QUERY SELECT v_outcome, h.event_id, h.seq, h.event_type, h.routing_key, h.headers,
+                        h.body, h.partition;
+END
+$$;
 
 --
 -- Name: outbox_headers_allowed(jsonb); Type: FUNCTION; Schema: public; Owner: -
@@ -1131,6 +1371,28 @@ CREATE TABLE public.outbox_budgets (
 );
 
 --
+-- Name: outbox_consumer_groups; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_consumer_groups (
+    consumer text NOT NULL,
+    partitions integer NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT outbox_consumer_groups_partitions_check CHECK (((partitions >= 1) AND (partitions <= 1000)))
+);
+
+--
+-- Name: outbox_consumer_members; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_consumer_members (
+    consumer text NOT NULL,
+    member text NOT NULL,
+    joined_at timestamp with time zone DEFAULT now() NOT NULL,
+    lease_until timestamp with time zone NOT NULL
+);
+
+--
 -- Name: outbox_effect_strays; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -1270,7 +1532,7 @@ CREATE TABLE public.outbox_inbox_gaps (
     event_id uuid NOT NULL,
     action text NOT NULL,
     reported_at timestamp with time zone DEFAULT now() NOT NULL,
-    CONSTRAINT outbox_inbox_gaps_action_check CHECK ((action = ANY (ARRAY['skipped'::text, 'dead'::text])))
+    CONSTRAINT outbox_inbox_gaps_action_check CHECK ((action = ANY (ARRAY['skipped'::text, 'dead'::text, 'jumped'::text])))
 );
 
 --
@@ -1287,6 +1549,24 @@ ALTER TABLE public.outbox_inbox_gaps ALTER COLUMN id ADD GENERATED ALWAYS AS IDE
 );
 
 --
+-- Name: outbox_inbox_held; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_inbox_held (
+    consumer text NOT NULL,
+    partition integer NOT NULL,
+    aggregate_type text NOT NULL,
+    aggregate_id text NOT NULL,
+    seq bigint NOT NULL,
+    event_id uuid NOT NULL,
+    event_type text,
+    routing_key text NOT NULL,
+    headers jsonb DEFAULT '{}'::jsonb NOT NULL,
+    body bytea NOT NULL,
+    held_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
 -- Name: outbox_inbox_keys; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -1295,7 +1575,10 @@ CREATE TABLE public.outbox_inbox_keys (
     aggregate_type text NOT NULL,
     aggregate_id text NOT NULL,
     last_seq bigint DEFAULT 0 NOT NULL,
-    updated_at timestamp with time zone DEFAULT now() NOT NULL
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    blocked_seq bigint,
+    blocked_at timestamp with time zone,
+    blocked_reason text
 );
 
 --
@@ -1374,6 +1657,20 @@ ALTER TABLE ONLY public.outbox_budgets
     ADD CONSTRAINT outbox_budgets_pkey PRIMARY KEY (tenant, quota_key);
 
 --
+-- Name: outbox_consumer_groups outbox_consumer_groups_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_consumer_groups
+    ADD CONSTRAINT outbox_consumer_groups_pkey PRIMARY KEY (consumer);
+
+--
+-- Name: outbox_consumer_members outbox_consumer_members_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_consumer_members
+    ADD CONSTRAINT outbox_consumer_members_pkey PRIMARY KEY (consumer, member);
+
+--
 -- Name: outbox_effect_strays outbox_effect_strays_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -1414,6 +1711,13 @@ ALTER TABLE ONLY public.outbox_events
 
 ALTER TABLE ONLY public.outbox_inbox_gaps
     ADD CONSTRAINT outbox_inbox_gaps_pkey PRIMARY KEY (id);
+
+--
+-- Name: outbox_inbox_held outbox_inbox_held_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_inbox_held
+    ADD CONSTRAINT outbox_inbox_held_pkey PRIMARY KEY (consumer, aggregate_type, aggregate_id, seq);
 
 --
 -- Name: outbox_inbox_keys outbox_inbox_keys_pkey; Type: CONSTRAINT; Schema: public; Owner: -
@@ -1510,6 +1814,12 @@ CREATE INDEX outbox_events_pending_key ON public.outbox_events USING btree (aggr
 --
 
 CREATE INDEX outbox_inbox_handled ON public.outbox_inbox USING btree (handled_at);
+
+--
+-- Name: outbox_inbox_held_partition; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX outbox_inbox_held_partition ON public.outbox_inbox_held USING btree (consumer, partition);
 
 --
 -- Name: outbox_events outbox_events_redrive_floor; Type: TRIGGER; Schema: public; Owner: -

@@ -179,6 +179,34 @@ async fn run(config: Config) -> anyhow::Result<()> {
                 }
             }
         }
+        Config::ConsumerRelease {
+            db,
+            schema,
+            consumer,
+            aggregate_type,
+            aggregate_id,
+        } => {
+            let client = db
+                .connect(&schema, "outbox-relay-consumer-release")
+                .await
+                .context("cannot connect to postgres")?;
+            let held = outbox_kit::consumer::inbox::release(
+                &client,
+                &consumer,
+                &aggregate_type,
+                &aggregate_id,
+            )
+            .await?;
+            match held {
+                Some(n) => println!(
+                    "released {aggregate_type}/{aggregate_id} of consumer {consumer}: {n} held event(s) will be applied in seq order"
+                ),
+                None => println!(
+                    "{aggregate_type}/{aggregate_id} of consumer {consumer} is not blocked: nothing changed"
+                ),
+            }
+            Ok(())
+        }
         Config::Status { db, schema, json } => {
             let client = db
                 .connect(&schema, "outbox-relay-status")

@@ -23,8 +23,6 @@ pub mod headers {
     pub const CREATED_AT: &str = "x-outbox-created-at";
     /// The consumer kit's: how many times a message was tried.
     pub const ATTEMPT: &str = "x-outbox-attempt";
-    /// The consumer kit's: since when an ordered consumer waits for a missing seq.
-    pub const GAP_SINCE: &str = "x-outbox-gap-since";
     /// The consumer kit's: the routing key a retried message was first published with.
     pub const ROUTING_KEY: &str = "x-outbox-routing-key";
     /// The consumer kit's: why a message was dead-lettered.

@@ -73,6 +73,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0010_effects_ledger.sql",
         sql: include_str!("../../sql/0010_effects_ledger.sql"),
     },
+    Migration {
+        version: 12,
+        name: "0012_consumer_groups.sql",
+        sql: include_str!("../../sql/0012_consumer_groups.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

@@ -50,6 +50,9 @@ pub enum Command {
     /// Consumer kit: list effects stuck in `sending` for review and delete old ledger and
     /// inbox rows (resolving through lookups needs the library: consumer::reconcile).
     Reconcile(ReconcileArgs),
+    /// Consumer kit: let a key of an ordered consumer group go on after one of its events
+    /// was dead-lettered (block-key); its held events are applied in seq order.
+    ConsumerRelease(ConsumerReleaseArgs),
     /// A first run on local services: creates a demo database, produces events at a rate,
     /// runs the relay and a consumer in this process, shows progress and a summary.
     Demo(DemoArgs),
@@ -183,6 +186,18 @@ pub struct ParkedListArgs {
     /// Accepted for symmetry with the other operator commands; listing never writes.
     #[arg(long)]
     pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ConsumerReleaseArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// The consumer group's name (its inbox key).
+    #[arg(long, env = "OUTBOX_CONSUMER")]
+    pub consumer: String,
+    /// The blocked key, as AGGREGATE_TYPE/AGGREGATE_ID.
+    #[arg(long, env = "OUTBOX_CONSUMER_KEY")]
+    pub key: String,
 }
 
 #[derive(Debug, Args)]

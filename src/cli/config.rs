@@ -55,6 +55,13 @@ pub enum Config {
         reconcile: outbox_kit::consumer::reconcile::ReconcileConfig,
         every: Option<Duration>,
     },
+    ConsumerRelease {
+        db: DbTarget,
+        schema: Schema,
+        consumer: String,
+        aggregate_type: String,
+        aggregate_id: String,
+    },
     Demo(outbox_relay::demo::DemoConfig),
 }
 
@@ -85,6 +92,29 @@ impl Cli {
                     schema,
                     reconcile,
                     every,
+                })
+            }
+            Command::ConsumerRelease(a) => {
+                let (db, schema) = a.db.parse(files)?;
+                let (aggregate_type, aggregate_id) = a
+                    .key
+                    .split_once('/')
+                    .filter(|(t, id)| !t.is_empty() && !id.is_empty())
+                    .ok_or_else(|| {
+                        ConfigError::new(
+                            "--key",
+                            format!("'{}' is not AGGREGATE_TYPE/AGGREGATE_ID", a.key),
+                        )
+                    })?;
+                if a.consumer.is_empty() {
+                    return Err(ConfigError::new("--consumer", "must not be empty"));
+                }
+                Ok(Config::ConsumerRelease {
+                    db,
+                    schema,
+                    consumer: a.consumer,
+                    aggregate_type: aggregate_type.to_owned(),
+                    aggregate_id: aggregate_id.to_owned(),
                 })
             }
             Command::Demo(a) => Ok(Config::Demo(a.parse(files)?)),

@@ -161,3 +161,36 @@ fn on_park_accepts_two_policies() {
         "--on-park"
     );
 }
+
+fn release_config(key: &str) -> Result<Config, ConfigError> {
+    Cli::try_parse_from([
+        "outbox-relay",
+        "consumer-release",
+        "--consumer",
+        "billing",
+        "--key",
+        key,
+    ])
+    .expect("clap accepts")
+    .into_config(&SecretFiles::default())
+}
+
+#[test]
+fn consumer_release_takes_a_type_and_an_id() {
+    let Config::ConsumerRelease {
+        aggregate_type,
+        aggregate_id,
+        ..
+    } = release_config("order/eu/42").unwrap()
+    else {
+        panic!("consumer-release expected")
+    };
+    // The first slash separates: ids may hold slashes, aggregate types do not.
+    assert_eq!(
+        (aggregate_type.as_str(), aggregate_id.as_str()),
+        ("order", "eu/42")
+    );
+    for bad in ["order", "/42", "order/"] {
+        assert_eq!(release_config(bad).unwrap_err().flag, "--key", "{bad}");
+    }
+}

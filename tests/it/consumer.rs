@@ -1,5 +1,5 @@
-//! Consumer kit: inbox dedupe, ordered apply, the effects-ledger rules, budgets and the
-//! reconciler, against the real Postgres and RabbitMQ.
+//! Consumer kit: inbox dedupe, the effects-ledger rules, budgets and the reconciler,
+//! against the real Postgres and RabbitMQ (ordered consumer groups: `groups.rs`).
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
@@ -11,7 +11,7 @@ use outbox_kit::consumer::effects::{
     Cancelled, EffectError, EffectState, EffectsConfig, Ledger, NewEffect, Performed,
 };
 use outbox_kit::consumer::reconcile::{self, ReconcileConfig, Resolution};
-use outbox_kit::consumer::runner::{Context, OnGap, Ordered};
+use outbox_kit::consumer::runner::Context;
 use outbox_kit::consumer::{DestinationError, Handler, HandlerError, Message};
 use serde_json::json;
 use tokio::sync::Notify;
@@ -521,177 +521,6 @@ async fn out_of_budget_rolls_back_the_whole_claim() {
         .unwrap()
         .unwrap();
     assert_eq!((t.remaining, t.held), (0, 1));
-}
-
-fn ordered(gap_timeout: Duration, on_gap: OnGap) -> Option<Ordered> {
-    Some(Ordered {
-        gap_timeout,
-        gap_retry: Duration::from_millis(50),
-        on_gap,
-    })
-}
-
-/// Events published in a shuffled order are applied per key in seq order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn ordered_mode_applies_shuffled_events_in_seq_order() {
-    let db = TestDb::new().await;
-    let client = db.client().await;
-    client.batch_execute(APPLIED).await.unwrap();
-    let exchange = unique("it.ex").replace('_', ".");
-    let mut cfg = consumer_config(&exchange);
-    cfg.ordered = ordered(Duration::from_secs(20), OnGap::Skip);
-    let running = Running::start(
-        &db,
-        cfg.clone(),
-        Arc::new(Recorder {
-            dest: Arc::new(FakeDest::new("none", false)),
-            ledger: ledger("w"),
-        }),
-    );
-    kit::wait_queue_ready(&cfg.queue).await;
-    let mut events: Vec<RawEvent> = Vec::new();
-    for k in 0..3 {
-        for seq in 1..=8 {
-            events.push(RawEvent::new(
-                &format!("k{k}"),
-                seq,
-                json!({"k": k, "seq": seq}),
-            ));
-        }
-    }
-    // A fixed shuffle (reversed blocks, interleaved), so the test is repeatable.
-    let mut state = 0x2545_f491_u64;
-    for i in (1..events.len()).rev() {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        events.swap(i, (state % (i as u64 + 1)) as usize);
-    }
-    assert_ne!(
-        events.iter().map(|e| e.seq).collect::<Vec<_>>()[..3],
-        [1, 1, 1]
-    );
-    let publisher = RawPublisher::new(&exchange).await;
-    for e in &events {
-        publisher.publish(e).await;
-    }
-    wait_for("24 events applied", Duration::from_secs(30), || async {
-        (applied(&client).await.len() >= 24).then_some(())
-    })
-    .await;
-    running.stop().await;
-    let rows = applied(&client).await;
-    assert_eq!(rows.len(), 24);
-    for k in 0..3 {
-        let seqs: Vec<i64> = rows
-            .iter()
-            .filter(|(id, _, _)| *id == format!("k{k}"))
-            .map(|(_, s, _)| s.unwrap())
-            .collect();
-        assert_eq!(seqs, (1..=8).collect::<Vec<_>>(), "key k{k}");
-    }
-    let gaps: i64 = client
-        .query_one("SELECT count(*) FROM outbox_inbox_gaps", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(gaps, 0, "every gap was filled in time");
-    kit::delete_topology(&cfg).await;
-}
-
-/// A seq that never comes: the next one waits gap_timeout, then the gap is reported
-/// (recorded) and, with on_gap = skip, the event applied; the missing one arriving later is
-/// a duplicate. With on_gap = dead-letter, the waiting event goes to the dead-letter queue.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_permanent_gap_is_reported_after_gap_timeout() {
-    let db = TestDb::new().await;
-    let client = db.client().await;
-    client.batch_execute(APPLIED).await.unwrap();
-    let gap_timeout = Duration::from_secs(1);
-    for on_gap in [OnGap::Skip, OnGap::DeadLetter] {
-        let exchange = unique("it.ex").replace('_', ".");
-        let mut cfg = consumer_config(&exchange);
-        cfg.ordered = ordered(gap_timeout, on_gap);
-        let running = Running::start(
-            &db,
-            cfg.clone(),
-            Arc::new(Recorder {
-                dest: Arc::new(FakeDest::new("none", false)),
-                ledger: ledger("w"),
-            }),
-        );
-        kit::wait_queue_ready(&cfg.queue).await;
-        let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
-        let key = format!("gap-{on_gap:?}");
-        let (one, two, three) = (
-            RawEvent::new(&key, 1, json!({})),
-            RawEvent::new(&key, 2, json!({})),
-            RawEvent::new(&key, 3, json!({})),
-        );
-        let publisher = RawPublisher::new(&exchange).await;
-        let started = Instant::now();
-        publisher.publish(&one).await;
-        publisher.publish(&three).await;
-        let (expected, got, action) = wait_for("the gap reported", Duration::from_secs(20), || async {
-            client
-                .query_opt(
-                    "SELECT expected_seq, got_seq, action FROM outbox_inbox_gaps WHERE aggregate_id = $1",
-                    &[&key],
-                )
-                .await
-                .unwrap()
-                .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1), r.get::<_, String>(2)))
-        })
-        .await;
-        let reported_after = started.elapsed();
-        assert!(
-            reported_after >= gap_timeout,
-            "reported after {reported_after:?}"
-        );
-        assert_eq!((expected, got), (2, 3));
-        match on_gap {
-            OnGap::Skip => {
-                assert_eq!(action, "skipped");
-                wait_for("seq 3 applied", Duration::from_secs(10), || async {
-                    let seqs: Vec<Option<i64>> = applied(&client)
-                        .await
-                        .into_iter()
-                        .filter(|(k, _, _)| *k == key)
-                        .map(|(_, s, _)| s)
-                        .collect();
-                    (seqs == [Some(1), Some(3)]).then_some(())
-                })
-                .await;
-                // The missing one, late: older than what the key applied, so a duplicate.
-                publisher.publish(&two).await;
-                wait_for("late seq 2 acked", Duration::from_secs(10), || async {
-                    (queue_depth(&cfg.queue).await == 0).then_some(())
-                })
-                .await;
-            }
-            OnGap::DeadLetter => {
-                assert_eq!(action, "dead");
-                let d = wait_for("seq 3 dead-lettered", Duration::from_secs(10), || async {
-                    dead.all().into_iter().next()
-                })
-                .await;
-                assert_eq!(d.event_id, three.event_id.to_string());
-                assert!(d.reason.contains("seq 2"), "{}", d.reason);
-            }
-        }
-        running.stop().await;
-        let seqs: Vec<Option<i64>> = applied(&client)
-            .await
-            .into_iter()
-            .filter(|(k, _, _)| *k == key)
-            .map(|(_, s, _)| s)
-            .collect();
-        match on_gap {
-            OnGap::Skip => assert_eq!(seqs, [Some(1), Some(3)]),
-            OnGap::DeadLetter => assert_eq!(seqs, [Some(1)]),
-        }
-        kit::delete_topology(&cfg).await;
-    }
 }
 
 /// A ledger whose claims run out fast: 100 ms sends and write-backs, 500 ms lease.

@@ -33,6 +33,11 @@ const SECTIONS: &[(&[&str], &str, &str)] = &[
     (&["redrive"], "docs/operating.md", "## Operator commands"),
     (&["reconcile"], "docs/consumer-kit.md", "## The reconciler"),
     (
+        &["consumer-release"],
+        "docs/consumer-kit.md",
+        "### Releasing a blocked key: `outbox-relay consumer-release`",
+    ),
+    (
         &["demo"],
         "docs/running.md",
         "## Try it: `outbox-relay demo`",

@@ -10,6 +10,7 @@ mod demo;
 mod deploy;
 mod docs;
 mod effects;
+mod groups;
 mod layout;
 mod migrate;
 mod notifications;

@@ -384,7 +384,8 @@ async fn roles_are_refused_what_they_do_not_need() {
     );
 }
 
-/// The consumer kit's functions, called as the consumer role: inbox, ordered keys, gaps,
+/// The consumer kit's functions, called as the consumer role: inbox, ordered groups (join,
+/// heartbeat, record, dead with block, hold, release, drain), gaps,
 /// effects (claim, complete, cancel), budgets, the reconciler's queries and pruning.
 #[tokio::test]
 async fn consumer_role_runs_the_kit() {
@@ -398,6 +399,15 @@ async fn consumer_role_runs_the_kit() {
         "SELECT * FROM outbox_inbox_record('billing', gen_random_uuid(), 'order', '1', 3)",
         "SELECT outbox_inbox_gap('billing', gen_random_uuid(), 'order', '1', 2, 3, 'skipped')",
         "SELECT outbox_inbox_dead('billing', gen_random_uuid(), 'order', '2', 5, 'bad', true)",
+        "SELECT outbox_group_join('orders', 4)",
+        "SELECT * FROM outbox_group_beat('orders', 'm1', 3000)",
+        "SELECT * FROM outbox_group_record('orders', 1, gen_random_uuid(), 'order', '9', 1, 'created', 'order.created', '{}', '\\x7b7d')",
+        "SELECT outbox_group_dead('orders', gen_random_uuid(), 'order', '9', 2, 'bad', true)",
+        "SELECT * FROM outbox_group_record('orders', 1, gen_random_uuid(), 'order', '9', 3, 'created', 'order.created', '{}', '\\x7b7d')",
+        "SELECT outbox_consumer_release('orders', 'order', '9')",
+        "SELECT * FROM outbox_group_releasable('orders', ARRAY[1])",
+        "SELECT * FROM outbox_group_take_held('orders', 'order', '9')",
+        "SELECT outbox_group_leave('orders', 'm1')",
         "SELECT outbox_effect_enqueue('receipt:1', 'mail', '{}', 'acme', 'mail', 1, true)",
         "SELECT * FROM outbox_effect_claim('receipt:1', 'w1', 30, 5, 5)",
         "SELECT outbox_effect_complete((SELECT id FROM outbox_effects WHERE effect_key = 'receipt:1'), 'w1', 'ext-1')",

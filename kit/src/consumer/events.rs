@@ -1,6 +1,6 @@
 //! Everything the consumer kit reports happens once, in one function each, with structured
 //! fields (see `crate::telemetry` for the relay's). Per message only for what is rare
-//! (dead letters, gaps given up, in-doubt effects); never an event id in a metric label.
+//! (dead letters, seq jumps, blocked keys, in-doubt effects); never an event id in a metric label.
 
 use tracing::{debug, info, warn};
 
@@ -34,25 +34,47 @@ pub(crate) fn dead_lettered(consumer: &str, event_id: &str, reason: &str) {
     warn!(target: "outbox_relay::consumer", consumer, event_id, reason, "message dead-lettered");
 }
 
-pub(crate) fn gap_waiting(
-    consumer: &str,
-    aggregate_type: &str,
-    aggregate_id: &str,
-    expected: i64,
-    got: i64,
-) {
-    debug!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, expected, got, "seq gap; waiting for the missing event");
+pub(crate) fn seq_jumped(consumer: &str, aggregate_type: &str, aggregate_id: &str, seq: i64) {
+    info!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, seq, "seq jump applied (earlier seqs parked upstream or not routed here); recorded in outbox_inbox_gaps");
 }
 
-pub(crate) fn gap_given_up(
+pub(crate) fn retrying_in_place(
+    consumer: &str,
+    event_id: &str,
+    attempt: u32,
+    delay_ms: u64,
+    error: &str,
+) {
+    debug!(target: "outbox_relay::consumer", consumer, event_id, attempt, delay_ms, error, "transient failure; retrying in place while the key's later events wait");
+}
+
+pub(crate) fn key_blocked(consumer: &str, aggregate_type: &str, aggregate_id: &str, seq: i64) {
+    warn!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, seq, "key blocked after a dead letter; its later events are held until outbox_consumer_release");
+}
+
+pub(crate) fn held_applied(
     consumer: &str,
     aggregate_type: &str,
     aggregate_id: &str,
-    expected: i64,
-    got: i64,
-    action: &str,
+    events: usize,
 ) {
-    warn!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, expected, got, action, "seq gap not filled within gap_timeout");
+    info!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, events, "released key: held events applied");
+}
+
+pub(crate) fn group_assigned(consumer: &str, member: &str, members: usize, partitions: &[u16]) {
+    info!(target: "outbox_relay::consumer", consumer, member, members, ?partitions, "consumer group assignment");
+}
+
+pub(crate) fn partition_ended(consumer: &str, partition: u16, why: &str) {
+    warn!(target: "outbox_relay::consumer", consumer, partition, why, "partition consumer ended; taken again at the next heartbeat if still ours");
+}
+
+pub(crate) fn heartbeat_failed(consumer: &str, error: &dyn std::fmt::Display) {
+    warn!(target: "outbox_relay::consumer", consumer, error = %error, "group heartbeat failed; partitions are given up once the lease runs out");
+}
+
+pub(crate) fn publish_channel_replaced(consumer: &str, nacked_for_ms: u64) {
+    warn!(target: "outbox_relay::consumer", consumer, nacked_for_ms, "the broker nacked every publish on the publish channel; opened a new one");
 }
 
 pub(crate) fn republish_failed(consumer: &str, error: &dyn std::fmt::Display) {

@@ -184,6 +184,17 @@ impl Running {
         Running { stop, handle }
     }
 
+    /// A runner on connections of the test's choosing (through fault proxies).
+    pub fn start_with<H: Handler>(
+        deps: ConsumerDeps,
+        cfg: ConsumerConfig,
+        handler: Arc<H>,
+    ) -> Running {
+        let stop = CancellationToken::new();
+        let handle = tokio::spawn(runner::run(deps, cfg, handler, stop.clone()));
+        Running { stop, handle }
+    }
+
     pub async fn stop(self) {
         self.stop.cancel();
         tokio::time::timeout(Duration::from_secs(30), self.handle)
@@ -403,6 +414,53 @@ pub async fn delete_topology(cfg: &ConsumerConfig) {
                 Default::default(),
             )
             .await;
+    }
+    let _ = conn.close(200, "cleanup".into()).await;
+}
+
+/// An ordered group's config on a fresh exchange: `partitions` partitions, a 2 s member
+/// lease, 5 attempts, handler timeout 2 s (so a backlog outlasts every kit timeout).
+pub fn group_config(exchange: &str, partitions: u16) -> ConsumerConfig {
+    let mut c = consumer_config(exchange);
+    c.ordered = Some(runner::Ordered {
+        partitions: std::num::NonZeroU16::new(partitions).unwrap(),
+        on_dead: runner::OnDead::BlockKey,
+        member_lease: Duration::from_secs(2),
+    });
+    c.max_attempts = std::num::NonZeroU32::new(5);
+    c.handler_timeout = Duration::from_secs(2);
+    c
+}
+
+/// Waits until every partition queue of the group has a consumer.
+pub async fn wait_group_ready(cfg: &ConsumerConfig) {
+    let partitions = cfg.ordered.as_ref().unwrap().partitions.get();
+    for p in 0..partitions {
+        wait_queue_ready(&cfg.partition_queue(p)).await;
+    }
+}
+
+/// Deletes an ordered group's partition queues, hash exchange and dead-letter queue.
+pub async fn delete_group_topology(cfg: &ConsumerConfig) {
+    let Ok(conn) = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-cleanup")
+        .await
+    else {
+        return;
+    };
+    if let Ok(ch) = conn.create_channel().await {
+        let partitions = cfg.ordered.as_ref().map_or(0, |o| o.partitions.get());
+        let mut queues: Vec<String> = (0..partitions).map(|p| cfg.partition_queue(p)).collect();
+        queues.push(cfg.dead_letter_queue());
+        for q in queues {
+            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        }
+        for x in [cfg.hash_exchange(), format!("{}.dlx", cfg.queue)] {
+            let _ = ch
+                .exchange_delete(x.as_str().into(), Default::default())
+                .await;
+        }
     }
     let _ = conn.close(200, "cleanup".into()).await;
 }

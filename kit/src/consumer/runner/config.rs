@@ -1,6 +1,7 @@
-//! The runner's settings: [`ConsumerConfig`] with its ordered mode ([`Ordered`], [`OnGap`]),
+//! The runner's settings: [`ConsumerConfig`] with its ordered mode ([`Ordered`], [`OnDead`]),
 //! the checks that refuse settings that contradict each other, and the names and delays
-//! they imply (retry tiers, dead-letter exchange and queue).
+//! they imply (retry tiers, dead-letter exchange and queue, an ordered group's hash
+//! exchange and partition queues).
 //!
 //! Invariant: every retry delay [`ConsumerConfig::retry_delay`] can return has a declared
 //! queue among [`ConsumerConfig::delay_tiers`]; timeouts are shorter than what they guard.
@@ -11,24 +12,41 @@ use std::time::Duration;
 
 use crate::contract::{ConfigError, validate_exchange};
 
-/// What to do with an event whose predecessor did not come within `gap_timeout`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnGap {
-    /// Apply it; the missing seqs are recorded in `outbox_inbox_gaps` and given up.
-    Skip,
-    /// Dead-letter it; the key stays blocked at the gap until an operator moves it.
-    DeadLetter,
+/// What an ordered group does with a key after one of its events was dead-lettered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OnDead {
+    /// The key waits for an operator: its later events are held in the database
+    /// (`outbox_inbox_held`) and applied in seq order after `outbox_consumer_release` (or
+    /// `outbox-relay consumer-release`). Other keys flow.
+    #[default]
+    BlockKey,
+    /// The key goes on with its next event; the dead one stays in the dead-letter queue.
+    Continue,
 }
 
-/// Ordered mode: per key, seq n is applied only after n-1.
+/// Ordered mode: the consumer is a group of instances sharing `partitions` partition
+/// queues; per key, events are applied one after another in the order the broker keeps.
 #[derive(Clone, Debug)]
 pub struct Ordered {
-    /// How long an event waits for its predecessor before the gap is reported.
-    pub gap_timeout: Duration,
-    /// How often a waiting event is tried again.
-    pub gap_retry: Duration,
-    /// What to do when the predecessor does not come in time.
-    pub on_gap: OnGap,
+    /// How many partition queues the group has. Fixed for the life of the group (recorded
+    /// in `outbox_consumer_groups`; a different count is refused at start-up).
+    pub partitions: NonZeroU16,
+    /// What a key does after one of its events was dead-lettered.
+    pub on_dead: OnDead,
+    /// How long a member's heartbeat in Postgres stays valid; renewed every third of it. An
+    /// instance that stops renewing loses its partitions to the others after this long.
+    pub member_lease: Duration,
+}
+
+impl Default for Ordered {
+    /// 8 partitions, block-key, a 6 s member lease.
+    fn default() -> Self {
+        Ordered {
+            partitions: NonZeroU16::new(8).expect("non-zero"),
+            on_dead: OnDead::BlockKey,
+            member_lease: Duration::from_secs(6),
+        }
+    }
 }
 
 /// The runner's settings. Build with [`ConsumerConfig::new`], adjust, and `run` checks them.
@@ -107,21 +125,7 @@ impl ConsumerConfig {
             ));
         }
         if let Some(o) = &self.ordered {
-            if o.gap_retry.is_zero() || o.gap_retry > o.gap_timeout {
-                return Err(ConfigError::new(
-                    "gap_retry",
-                    "must be longer than zero and not longer than gap_timeout",
-                ));
-            }
-            if o.gap_timeout <= self.retry_max {
-                return Err(ConfigError::new(
-                    "gap_timeout",
-                    format!(
-                        "{:?} is not longer than retry_max {:?}: a predecessor waiting in a retry queue would be given up as missing",
-                        o.gap_timeout, self.retry_max
-                    ),
-                ));
-            }
+            self.validate_group(o)?;
         }
         // Each message in hand holds its inbox transaction and may take one more connection
         // for effect steps; fewer would deadlock the pool under load.
@@ -158,12 +162,103 @@ impl ConsumerConfig {
     }
 
     pub(super) fn delay_tiers(&self) -> BTreeSet<Duration> {
-        let mut tiers: BTreeSet<Duration> = (1..=21).map(|a| self.retry_delay(a)).collect();
-        if let Some(o) = &self.ordered {
-            tiers.insert(o.gap_retry);
-        }
-        tiers
+        (1..=21).map(|a| self.retry_delay(a)).collect()
     }
+
+    /// The consistent-hash exchange of an ordered group, bound to `exchange`.
+    pub fn hash_exchange(&self) -> String {
+        format!("{}.hash", self.queue)
+    }
+
+    /// The name of partition queue `p` of an ordered group: zero-padded, so that sorted
+    /// order is creation order (the hash ring is rebuilt from bindings in sorted order).
+    pub fn partition_queue(&self, p: u16) -> String {
+        let partitions = self.ordered.as_ref().map_or(1, |o| o.partitions.get());
+        let width = (partitions - 1).max(10).ilog10() as usize + 1;
+        format!("{}.p{p:0width$}", self.queue)
+    }
+
+    /// The longest one event can stay unacked while it is retried in place: every attempt
+    /// taking `handler_timeout`, and the backoff between them.
+    pub fn in_place_retry_budget(&self) -> Option<Duration> {
+        let max = self.max_attempts?.get();
+        let delays: Duration = (1..max).map(|a| self.retry_delay(a)).sum();
+        Some(self.handler_timeout.saturating_mul(max) + delays)
+    }
+
+    fn validate_group(&self, o: &Ordered) -> Result<(), ConfigError> {
+        if o.partitions.get() > 1000 {
+            return Err(ConfigError::new(
+                "partitions",
+                "at most 1000 partitions per group",
+            ));
+        }
+        if o.member_lease < Duration::from_secs(1) {
+            return Err(ConfigError::new(
+                "member_lease",
+                "must be at least 1s: the heartbeat renews it every third of it",
+            ));
+        }
+        let Some(budget) = self.in_place_retry_budget() else {
+            return Err(ConfigError::new(
+                "max_attempts",
+                "an ordered group retries in place while the key's later events wait behind it: set max_attempts, so that a failing event is dead-lettered within the broker's redelivery timeout",
+            ));
+        };
+        if budget * 2 > self.redelivery_timeout {
+            return Err(ConfigError::new(
+                "max_attempts",
+                format!(
+                    "{} attempts of up to handler_timeout {:?} with backoff up to retry_max {:?} keep an event unacked for up to {budget:?}, more than half the broker's redelivery timeout {:?}: lower max_attempts, handler_timeout or retry_max",
+                    self.max_attempts.map_or(0, NonZeroU32::get),
+                    self.handler_timeout,
+                    self.retry_max,
+                    self.redelivery_timeout
+                ),
+            ));
+        }
+        for b in &self.bindings {
+            if let Err(why) = group_binding(b) {
+                return Err(ConfigError::new(
+                    "bindings",
+                    format!("'{b}' cannot be used by an ordered group: {why}"),
+                ));
+            }
+        }
+        if self.bindings.is_empty() {
+            return Err(ConfigError::new(
+                "bindings",
+                "an ordered group needs a binding: '#' or '<aggregate_type>.#'",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether an ordered group may bind with `binding`: it must take every event of the keys
+/// it takes (`#`, `<aggregate_type>.#`, `<aggregate_type>.*`), or a key's events would be
+/// split between this group and nobody, and its seqs would jump for no reason anyone
+/// recorded.
+fn group_binding(binding: &str) -> Result<(), &'static str> {
+    if binding == "#" {
+        return Ok(());
+    }
+    let Some((head, tail)) = binding.split_once('.') else {
+        return Err(
+            "a binding without a '.' takes only some event types; use '#' or '<aggregate_type>.#'",
+        );
+    };
+    if head.is_empty() || head.contains(['*', '#']) {
+        return Err(
+            "its first word must name one aggregate type: a wildcard there takes some event types of every aggregate type, splitting each key's events; use '#' or '<aggregate_type>.#'",
+        );
+    }
+    if tail != "#" && tail != "*" {
+        return Err(
+            "it takes only some event types of the aggregate type, so each key's other events would never reach the group; use '<aggregate_type>.#' and filter in the handler",
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -202,16 +297,60 @@ mod tests {
         assert_eq!(c.validate(32).unwrap_err().flag, "handler_timeout");
 
         let mut c = config();
-        c.ordered = Some(Ordered {
-            gap_timeout: Duration::from_secs(1),
-            gap_retry: Duration::from_millis(100),
-            on_gap: OnGap::Skip,
-        });
-        assert_eq!(c.validate(32).unwrap_err().flag, "gap_timeout");
+        c.ordered = Some(Ordered::default());
+        c.max_attempts = None;
+        assert_eq!(c.validate(32).unwrap_err().flag, "max_attempts");
+        c.max_attempts = NonZeroU32::new(5);
+        assert!(c.validate(32).is_ok());
+        c.handler_timeout = Duration::from_secs(4 * 60);
+        let err = c.validate(32).unwrap_err();
+        assert_eq!(err.flag, "max_attempts");
+        assert!(
+            err.problem.contains("redelivery timeout"),
+            "{}",
+            err.problem
+        );
 
         let c = config();
         let err = c.validate(8).unwrap_err();
         assert_eq!(err.flag, "prefetch");
         assert!(err.problem.contains("at least 32"), "{}", err.problem);
+    }
+
+    #[test]
+    fn ordered_groups_take_every_event_type_of_a_key() {
+        for ok in ["#", "order.#", "order.*"] {
+            assert!(group_binding(ok).is_ok(), "{ok}");
+        }
+        for refused in [
+            "order.created",
+            "*.created",
+            "#.created",
+            "order",
+            "*.#",
+            "order.created.#",
+        ] {
+            assert!(group_binding(refused).is_err(), "{refused}");
+        }
+        let mut c = config();
+        c.max_attempts = NonZeroU32::new(5);
+        c.ordered = Some(Ordered::default());
+        c.bindings = vec!["order.#".into(), "order.created".into()];
+        let err = c.validate(32).unwrap_err();
+        assert_eq!(err.flag, "bindings");
+        assert!(err.problem.contains("'order.created'"), "{}", err.problem);
+    }
+
+    #[test]
+    fn partition_queues_sort_in_creation_order() {
+        let mut c = config();
+        c.ordered = Some(Ordered::default());
+        assert_eq!(c.partition_queue(3), "billing.p03");
+        c.ordered = Some(Ordered {
+            partitions: NonZeroU16::new(120).unwrap(),
+            ..Ordered::default()
+        });
+        assert_eq!(c.partition_queue(7), "billing.p007");
+        assert_eq!(c.hash_exchange(), "billing.hash");
     }
 }

@@ -38,7 +38,8 @@ pub struct Message {
     pub body: Vec<u8>,
     /// The broker's redelivered flag (a consumer died or a channel closed with it unacked).
     pub redelivered: bool,
-    /// How many times the runner retried it after transient errors.
+    /// How many times the runner retried it after transient errors (through retry queues,
+    /// or in place in an ordered group).
     pub attempt: u32,
 }
 
@@ -59,6 +60,15 @@ impl Message {
     }
 }
 
+/// The key a delivery belongs to (its aggregate type and id headers), read before parsing
+/// so that an ordered group can put it in its key's lane.
+pub(super) fn key_of(d: &Delivery) -> Option<(String, String)> {
+    Some((
+        header_string(d, H_AGGREGATE_TYPE)?,
+        header_string(d, H_AGGREGATE_ID)?,
+    ))
+}
+
 pub(super) fn original_routing_key(d: &Delivery) -> String {
     header_string(d, H_ROUTING_KEY).unwrap_or_else(|| d.routing_key.as_str().to_owned())
 }
@@ -75,7 +85,7 @@ fn header_string(d: &Delivery, name: &str) -> Option<String> {
     }
 }
 
-pub(super) fn header_i64(d: &Delivery, name: &str) -> Option<i64> {
+fn header_i64(d: &Delivery, name: &str) -> Option<i64> {
     header_value_i64(header(d, name)?)
 }
 
@@ -128,6 +138,11 @@ pub(super) fn parse(d: &Delivery, ordered: bool) -> Result<Message, String> {
     let seq = header_i64(d, H_SEQ);
     if ordered && seq.is_none() {
         return Err(format!("no {H_SEQ} header: cannot be applied in order"));
+    }
+    if ordered && key_of(d).is_none() {
+        return Err(format!(
+            "no {H_AGGREGATE_TYPE} or {H_AGGREGATE_ID} header: cannot be applied in order"
+        ));
     }
     let headers = p
         .headers()

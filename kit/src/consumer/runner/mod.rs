@@ -1,30 +1,31 @@
-//! The consumer runner: consumes a queue with manual acks and a prefetch, runs the handler
-//! inside a Postgres transaction together with the inbox record, commits, then acks.
+//! The consumer runner: consumes with manual acks and a prefetch, runs the handler inside a
+//! Postgres transaction together with the inbox record, commits, then acks.
 //!
-//! Per message: [`inbox::record`] says apply, duplicate (ack without running the handler) or
-//! gap (ordered mode: an earlier seq of the key is missing). Handler errors are typed:
-//! transient ones go to a retry queue, terminal ones to the dead-letter exchange.
-//!
-//! Retries do not spin the queue. A transient failure republishes the message (with a broker
-//! confirm) to one of a few retry queues, one per delay tier (`retry_min`, doubling, up to
-//! `retry_max`), each with a queue-wide `x-message-ttl` and dead-lettering back to the main
-//! queue, and then acks the original. One TTL per queue, because RabbitMQ expires messages
-//! only at a queue's head: per-message TTLs in one queue would make a short delay wait
-//! behind a long one. The delay costs no prefetch slot and survives a consumer crash, which
-//! holding the message in process and nacking it later would not. Gaps wait the same way,
-//! with the first time the gap was seen carried in a header, so `gap_timeout` is measured
-//! across redeliveries.
+//! Two modes. Unordered: one queue, events applied as they come; a transient failure
+//! republishes the message (with a broker confirm) to one of a few retry queues, one per
+//! delay tier (`retry_min`, doubling, up to `retry_max`), each with a queue-wide
+//! `x-message-ttl` and dead-lettering back to the main queue, and then acks the original
+//! (one TTL per queue, because RabbitMQ expires messages only at a queue's head). Ordered
+//! ([`Ordered`]): the consumer is a group; its events are spread by key over partition
+//! queues behind a consistent-hash exchange; each partition has one active consumer
+//! (single-active-consumer), the group's live members share the partitions (heartbeats in
+//! Postgres), and inside a member a key's events run one after another while keys run
+//! concurrently. A failure is retried in place and holds its key only; no timer ever gives
+//! up an event that exists.
 //!
 //! Topology the runner declares (unless `declare` is off): the source exchange (durable
-//! topic), the queue (durable, dead-lettering to `<queue>.dlx`), its bindings, the
-//! dead-letter exchange `<queue>.dlx` (fanout) with queue `<queue>.dlq`, and the retry queues
-//! `<queue>.retry.<ms>ms`.
+//! topic), the dead-letter exchange `<queue>.dlx` (fanout) with queue `<queue>.dlq`, and
+//! either the queue with its bindings and retry queues `<queue>.retry.<ms>ms`, or (ordered)
+//! the hash exchange `<queue>.hash` bound to the source with the bindings and the partition
+//! queues `<queue>.p00`, `<queue>.p01`, ...
 //!
 //! The parts, in the order a message meets them: `config` (the settings and the names
-//! they imply), `session` (connect, declare, the consume loop; this file's [`run`] reconnects
-//! around it), `message` (a delivery's headers parsed into a [`Message`]), `process` (the
-//! inbox transaction around the [`Handler`]), `settle` (ack, retry tier, dead letter, each
-//! copy published with a confirm).
+//! they imply), `session` (connect, declare, the unordered consume loop; this file's [`run`]
+//! reconnects around it), `group` (an ordered member: heartbeat, assignment, drain of
+//! released keys) and `partition` (one partition queue's key lanes), `message` (a
+//! delivery's headers parsed into a [`Message`]), `process` (the inbox transaction around
+//! the [`Handler`], in-place retries), `settle` (ack, retry tier, dead letter, each copy
+//! published with a confirm on a channel replaced when it only nacks).
 //!
 //! Invariants: a message is acked only after the inbox transaction committed, or after its
 //! copy was confirmed by the broker in a retry queue or the dead-letter exchange. A graceful
@@ -32,8 +33,10 @@
 //! Only this module (and its children) knows lapin; handlers get [`Message`].
 
 mod config;
+mod group;
 mod handler;
 mod message;
+mod partition;
 mod process;
 mod session;
 mod settle;
@@ -52,12 +55,13 @@ use crate::consumer::events;
 use crate::consumer::inbox;
 use crate::contract::ConfigError;
 
-pub use config::{ConsumerConfig, OnGap, Ordered};
+pub use config::{ConsumerConfig, OnDead, Ordered};
 pub use handler::{Context, Handler, HandlerError};
 pub use message::Message;
 
 use process::Shared;
 use session::{Ended, Opened, Session};
+use settle::Publisher;
 
 /// The deadline of one broker round trip made while settling or stopping (ack, nack,
 /// cancel, a publish and its confirm).
@@ -85,6 +89,32 @@ pub enum ConsumerError {
         "rabbitmq refused the consumer's topology: {0}; fix or delete the queue, or set declare off"
     )]
     Topology(String),
+    /// The ordered group was recorded with another partition count (or the database
+    /// refused to record it).
+    #[error("consumer group: {0}")]
+    Group(String),
+}
+
+const JOIN: &str = "SELECT outbox_group_join($1, $2)";
+
+/// Records the group's partition count, or refuses a different one (SQLSTATE OB002).
+async fn join_group(pool: &Pool, cfg: &ConsumerConfig) -> Result<(), Option<ConsumerError>> {
+    let Some(o) = &cfg.ordered else { return Ok(()) };
+    let client = crate::db::deadline(pool.get()).await.map_err(|_| None)?;
+    let partitions = i32::from(o.partitions.get());
+    match crate::db::deadline(client.query_one(JOIN, &[&cfg.name, &partitions])).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.is_transient() => Err(None),
+        // OB002: recorded with another partition count; the message says why and what to do.
+        Err(crate::db::DbError::Postgres(e)) if e.as_db_error().is_some() => {
+            Err(Some(ConsumerError::Group(
+                e.as_db_error()
+                    .map(|d| d.message().to_owned())
+                    .unwrap_or_default(),
+            )))
+        }
+        Err(e) => Err(Some(ConsumerError::Group(e.to_string()))),
+    }
 }
 
 /// Runs the consumer until `shutdown` is cancelled; then finishes the messages in hand.
@@ -104,6 +134,25 @@ pub async fn run<H: Handler>(
     );
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     let mut down = crate::down::Down::new("rabbitmq (consumer)");
+    let member = group::member_id(&cfg.connection_name);
+    loop {
+        if shutdown.is_cancelled() {
+            events::stopped(&cfg.name);
+            return Ok(());
+        }
+        match join_group(&deps.pool, &cfg).await {
+            Ok(()) => break,
+            Err(Some(e)) => return Err(e),
+            Err(None) => {
+                let delay = backoff.next_delay();
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+    backoff.reset();
     loop {
         if shutdown.is_cancelled() {
             events::stopped(&cfg.name);
@@ -126,9 +175,24 @@ pub async fn run<H: Handler>(
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
             pool: deps.pool.clone(),
-            publisher: Mutex::new(session.publish.clone()),
+            publisher: Mutex::new(Publisher::new(
+                session.conn.clone(),
+                session.publish.clone(),
+            )),
         });
-        let ended = session.consume(shared, handler.clone(), &shutdown).await;
+        let ended = if cfg.ordered.is_some() {
+            group::run(
+                shared,
+                handler.clone(),
+                session.conn.clone(),
+                &member,
+                &session.lost,
+                &shutdown,
+            )
+            .await
+        } else {
+            session.consume(shared, handler.clone(), &shutdown).await
+        };
         session.close().await;
         match ended {
             Ended::Shutdown => {

@@ -1,6 +1,8 @@
-//! One AMQP session of the runner: connect, declare the topology, open a consume channel
-//! (with the prefetch) and a confirm-mode publish channel, and the consume loop, one
-//! `select!` over a closed set of wake-ups ([`Wake`]). `run` reconnects around it.
+//! One AMQP session of the runner: connect, declare the topology (a queue with retry
+//! queues, or an ordered group's hash exchange and partition queues), open a consume
+//! channel (with the prefetch) and a confirm-mode publish channel, and the unordered consume
+//! loop, one `select!` over a closed set of wake-ups ([`Wake`]). `run` reconnects around
+//! it; an ordered group's member (`group`) runs on the same session instead of the loop.
 //!
 //! Invariants: at most `prefetch` messages are in hand; on shutdown or a lost connection
 //! no new message is taken and those in hand finish (their acks may fail; the broker
@@ -15,7 +17,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
@@ -23,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{self, AmqpError, AmqpTarget, long_string};
 use crate::consumer::events;
+use crate::contract::headers::AGGREGATE_ID as H_AGGREGATE_ID;
 
 use super::process::{Shared, process};
 use super::{ConsumerConfig, Handler, RPC_TIMEOUT};
@@ -35,10 +38,10 @@ pub(super) enum Opened {
 }
 
 pub(super) struct Session {
-    conn: Connection,
+    pub(super) conn: Arc<Connection>,
     consume: Channel,
     pub(super) publish: Channel,
-    lost: CancellationToken,
+    pub(super) lost: CancellationToken,
 }
 
 /// The one `select!` of a session handles exactly these.
@@ -68,6 +71,13 @@ async fn rpc<T>(
 /// apart from what a reconnect may fix.
 fn refused_or_failed(what: &str, e: AmqpError) -> Opened {
     let text = e.to_string();
+    // The broker's answer (3.10): "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'"
+    // (tests/it/groups.rs pins the text).
+    if text.contains("unknown exchange type") && text.contains("x-consistent-hash") {
+        return Opened::Refused(format!(
+            "{what}: {text}; the broker does not know the exchange type x-consistent-hash: enable the rabbitmq_consistent_hash_exchange plugin (rabbitmq-plugins enable rabbitmq_consistent_hash_exchange)"
+        ));
+    }
     // PRECONDITION_FAILED / ACCESS_REFUSED / NOT_FOUND on a declaration.
     if text.contains("PRECONDITION_FAILED")
         || text.contains("ACCESS_REFUSED")
@@ -88,7 +98,11 @@ impl Session {
         let setup = async {
             let consume = rpc("channel.open", conn.create_channel()).await?;
             if cfg.declare {
-                declare(&consume, cfg).await?;
+                if cfg.ordered.is_some() {
+                    declare_group(&consume, cfg).await?;
+                } else {
+                    declare(&consume, cfg).await?;
+                }
             }
             rpc(
                 "basic.qos",
@@ -121,7 +135,7 @@ impl Session {
             }
         });
         Ok(Session {
-            conn,
+            conn: Arc::new(conn),
             consume,
             publish,
             lost,
@@ -282,4 +296,117 @@ async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
         .await?;
     }
     Ok(())
+}
+
+/// An ordered group's topology: the source exchange, the dead-letter exchange and queue,
+/// the consistent-hash exchange `<queue>.hash` (hashing `x-outbox-aggregate-id`, which the
+/// relay sends as a long string, so a key's events share a partition) bound to the source
+/// with each binding, and the partition queues, single-active-consumer, bound to the hash
+/// exchange with weight "1" in sorted order (after a full broker restart the plugin rebuilds
+/// its ring from the bindings in sorted order, so the ring stays the same).
+async fn declare_group(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
+    let ordered = cfg.ordered.as_ref().expect("a group is ordered");
+    let declared = |e| refused_or_failed("exchange.declare", e);
+    amqp::declare_exchange(ch, &cfg.exchange, ExchangeKind::Topic, false)
+        .await
+        .map_err(declared)?;
+    let dlx = cfg.dead_letter_exchange();
+    amqp::declare_exchange(ch, &dlx, ExchangeKind::Fanout, false)
+        .await
+        .map_err(declared)?;
+    let queue_options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    let dlq = cfg.dead_letter_queue();
+    rpc(
+        "queue.declare",
+        ch.queue_declare(dlq.as_str().into(), queue_options, FieldTable::default()),
+    )
+    .await?;
+    rpc(
+        "queue.bind",
+        ch.queue_bind(
+            dlq.as_str().into(),
+            dlx.as_str().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        ),
+    )
+    .await?;
+    let hash = cfg.hash_exchange();
+    let mut args = FieldTable::default();
+    args.insert("hash-header".into(), long_string(H_AGGREGATE_ID));
+    rpc(
+        "exchange.declare",
+        ch.exchange_declare(
+            hash.as_str().into(),
+            ExchangeKind::Custom("x-consistent-hash".into()),
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            args,
+        ),
+    )
+    .await?;
+    for binding in &cfg.bindings {
+        rpc(
+            "exchange.bind",
+            ch.exchange_bind(
+                hash.as_str().into(),
+                cfg.exchange.as_str().into(),
+                binding.as_str().into(),
+                ExchangeBindOptions::default(),
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+    }
+    for p in 0..ordered.partitions.get() {
+        let queue = cfg.partition_queue(p);
+        let mut args = FieldTable::default();
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
+        rpc(
+            "queue.declare",
+            ch.queue_declare(queue.as_str().into(), queue_options, args),
+        )
+        .await?;
+        rpc(
+            "queue.bind",
+            ch.queue_bind(
+                queue.as_str().into(),
+                hash.as_str().into(),
+                "1".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError};
+
+    #[test]
+    fn a_missing_hash_exchange_plugin_is_named() {
+        let broker = AMQPError::new(
+            AMQPErrorKind::Hard(AMQPHardError::COMMANDINVALID),
+            "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'".into(),
+        );
+        let e = AmqpError::Amqp(lapin::ErrorKind::ProtocolError(broker).into());
+        let Opened::Refused(why) = refused_or_failed("exchange.declare", e) else {
+            panic!("a missing plugin is not worth retrying")
+        };
+        assert!(
+            why.contains("enable the rabbitmq_consistent_hash_exchange plugin"),
+            "{why}"
+        );
+    }
 }

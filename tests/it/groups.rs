@@ -1,0 +1,1079 @@
+//! Ordered consumer groups against the real Postgres and RabbitMQ (with the
+//! rabbitmq_consistent_hash_exchange plugin): per-key order from the partition queues,
+//! members sharing and taking over partitions, failures that hold their key only, blocked
+//! keys with held events and their release, seq jumps, start-up refusals, the kit's
+//! only-nacks rule, and the same rules driven from SQL alone.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::consumer::runner::{ConsumerConfig, ConsumerDeps, ConsumerError, Context, OnDead};
+use outbox_kit::consumer::{Handler, HandlerError, Message};
+use serde_json::json;
+use tokio_postgres::Client;
+
+use crate::support::kit::{
+    self, DeadLetters, RawEvent, RawPublisher, Running, group_config, wait_group_ready,
+};
+use crate::support::process::run_to_end;
+use crate::support::proxy::{Mode, TcpProxy};
+use crate::support::{TestDb, amqp_url, rabbitmqctl, unique, wait_for};
+
+const APPLIED: &str = "CREATE TABLE it_applied (
+    n bigint GENERATED ALWAYS AS IDENTITY,
+    event_id uuid NOT NULL,
+    aggregate_id text NOT NULL,
+    seq bigint,
+    member text)";
+
+/// Records every applied event; payload `{"poison": true}` fails for good, `{"stuck":
+/// true}` fails transiently while `stuck` is set.
+#[derive(Default)]
+struct Scripted {
+    member: String,
+    stuck: AtomicBool,
+    stuck_attempts: AtomicUsize,
+    /// `Message::attempt` when a stuck event was finally applied.
+    applied_attempt: AtomicUsize,
+}
+
+impl Scripted {
+    fn new(member: &str) -> Arc<Scripted> {
+        Arc::new(Scripted {
+            member: member.to_owned(),
+            ..Scripted::default()
+        })
+    }
+}
+
+impl Handler for Scripted {
+    async fn handle(&self, cx: &Context<'_>, msg: &Message) -> Result<(), HandlerError> {
+        let p = msg.payload()?;
+        if p["poison"] == json!(true) {
+            return Err(HandlerError::Terminal("poison".into()));
+        }
+        if p["panic"] == json!(true) {
+            panic!("a bug in the handler");
+        }
+        if p["stuck"] == json!(true) && self.stuck.load(Ordering::SeqCst) {
+            self.stuck_attempts.fetch_add(1, Ordering::SeqCst);
+            return Err(HandlerError::Transient("dependency down (503)".into()));
+        }
+        if p["stuck"] == json!(true) {
+            self.applied_attempt
+                .store(msg.attempt as usize, Ordering::SeqCst);
+        }
+        cx.tx()
+            .execute(
+                "INSERT INTO it_applied (event_id, aggregate_id, seq, member) VALUES ($1, $2, $3, $4)",
+                &[&msg.event_id, &msg.aggregate_id, &msg.seq, &self.member],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// Applied seqs per key, in apply order.
+async fn applied(client: &Client) -> BTreeMap<String, Vec<i64>> {
+    let mut out: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in client
+        .query("SELECT aggregate_id, seq FROM it_applied ORDER BY n", &[])
+        .await
+        .unwrap()
+    {
+        out.entry(r.get(0)).or_default().push(r.get(1));
+    }
+    out
+}
+
+async fn applied_count(client: &Client) -> usize {
+    let n: i64 = client
+        .query_one("SELECT count(*) FROM it_applied", &[])
+        .await
+        .unwrap()
+        .get(0);
+    n as usize
+}
+
+fn exchange() -> String {
+    unique("it.ex").replace('_', ".")
+}
+
+fn member(cfg: &ConsumerConfig, name: &str) -> ConsumerConfig {
+    let mut c = cfg.clone();
+    c.connection_name = format!("{} {name}", cfg.connection_name);
+    c
+}
+
+/// Starts one member to declare the group's topology, waits until it consumes, stops it.
+async fn declare_group(db: &TestDb, cfg: &ConsumerConfig) {
+    let r = Running::start(db, member(cfg, "declare"), Scripted::new("declare"));
+    wait_group_ready(cfg).await;
+    r.stop().await;
+}
+
+/// A backlog far longer than any kit timeout (handler_timeout 2 s, member lease 2 s) built
+/// with no consumer running, then applied by two members: per key every seq once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_backlog_is_applied_in_seq_order_by_two_members() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 8);
+    declare_group(&db, &cfg).await;
+    let publisher = RawPublisher::new(&ex).await;
+    let (keys, per_key) = (50, 40);
+    for seq in 1..=per_key {
+        for k in 0..keys {
+            publisher
+                .publish(&RawEvent::new(&format!("k{k}"), seq, json!({})))
+                .await;
+        }
+    }
+    let started = Instant::now();
+    let a = Running::start(&db, member(&cfg, "a"), Scripted::new("a"));
+    let b = Running::start(&db, member(&cfg, "b"), Scripted::new("b"));
+    wait_for("2,000 events applied", Duration::from_secs(240), || async {
+        (applied_count(&client).await >= 2000).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    a.stop().await;
+    b.stop().await;
+    let rows = applied(&client).await;
+    assert_eq!(rows.len(), keys);
+    for (k, seqs) in &rows {
+        assert_eq!(*seqs, (1..=per_key).collect::<Vec<_>>(), "key {k}");
+    }
+    let members: Vec<String> = client
+        .query("SELECT DISTINCT member FROM it_applied ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(members, ["a", "b"], "both members applied events");
+    let jumps: i64 = client
+        .query_one("SELECT count(*) FROM outbox_inbox_gaps", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(jumps, 0);
+    eprintln!("2,000 events applied in {took:?}");
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// Which member (by connection name) is the active consumer of each partition queue, from
+/// the broker's own listing.
+async fn active_owners(cfg: &ConsumerConfig) -> HashMap<String, Vec<String>> {
+    let conns = rabbitmqctl(&[
+        "list_connections",
+        "-q",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ])
+    .await;
+    let chans = rabbitmqctl(&[
+        "list_channels",
+        "-q",
+        "--no-table-headers",
+        "pid",
+        "connection",
+    ])
+    .await;
+    let consumers = rabbitmqctl(&[
+        "list_consumers",
+        "-q",
+        "--no-table-headers",
+        "queue_name",
+        "channel_pid",
+        "active",
+    ])
+    .await;
+    let conn_of_chan: HashMap<&str, &str> = chans
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            Some((w.next()?, w.next()?))
+        })
+        .collect();
+    let mut owners: HashMap<String, Vec<String>> = HashMap::new();
+    for line in consumers.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.len() < 3 || w[2] != "true" || !w[0].starts_with(&format!("{}.p", cfg.queue)) {
+            continue;
+        }
+        let Some(conn) = conn_of_chan.get(w[1]) else {
+            continue;
+        };
+        let Some(props) = conns.lines().find(|l| l.starts_with(conn)) else {
+            continue;
+        };
+        let name = ["m0", "m1", "m2"]
+            .into_iter()
+            .find(|m| props.contains(&format!("{} {m}", cfg.connection_name)))
+            .unwrap_or("other");
+        owners
+            .entry(name.to_owned())
+            .or_default()
+            .push(w[0].to_owned());
+    }
+    owners
+}
+
+/// Three members share eight partitions (2 or 3 each, in the database and as the broker's
+/// active consumers); one dies (its task aborted and its connection closed, as a crash
+/// does) and the others take its partitions within the member lease plus a heartbeat;
+/// every event is applied exactly once and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_members_share_partitions_and_take_over_a_dead_one() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 8);
+    let mut members: Vec<Option<Running>> = (0..3)
+        .map(|i| {
+            let name = format!("m{i}");
+            Some(Running::start(
+                &db,
+                member(&cfg, &name),
+                Scripted::new(&name),
+            ))
+        })
+        .collect();
+    let shares = wait_for(
+        "three members own 2-3 partitions each",
+        Duration::from_secs(60),
+        || async {
+            let live: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_consumer_members WHERE consumer = $1",
+                    &[&cfg.name],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            let owners = active_owners(&cfg).await;
+            let mut counts: Vec<usize> = ["m0", "m1", "m2"]
+                .iter()
+                .map(|m| owners.get(*m).map_or(0, Vec::len))
+                .collect();
+            counts.sort_unstable();
+            (live == 3 && counts == [2, 3, 3]).then_some(owners)
+        },
+    )
+    .await;
+    let publisher = RawPublisher::new(&ex).await;
+    let keys = 24;
+    for seq in 1..=5 {
+        for k in 0..keys {
+            publisher
+                .publish(&RawEvent::new(&format!("k{k}"), seq, json!({})))
+                .await;
+        }
+    }
+    wait_for("120 events applied", Duration::from_secs(60), || async {
+        (applied_count(&client).await >= 120).then_some(())
+    })
+    .await;
+
+    // m0 dies: no graceful stop, its connection gone.
+    let dead = members[0].take().unwrap();
+    dead.handle.abort();
+    let _ = dead.handle.await;
+    crate::support::close_connections(&format!("{} m0", cfg.connection_name)).await;
+    let died = Instant::now();
+    for seq in 6..=10 {
+        for k in 0..keys {
+            publisher
+                .publish(&RawEvent::new(&format!("k{k}"), seq, json!({})))
+                .await;
+        }
+    }
+    let owners = wait_for(
+        "the survivors own all 8 partitions",
+        Duration::from_secs(30),
+        || async {
+            let owners = active_owners(&cfg).await;
+            let n: usize = ["m1", "m2"]
+                .iter()
+                .map(|m| owners.get(*m).map_or(0, Vec::len))
+                .sum();
+            (n == 8).then_some(owners)
+        },
+    )
+    .await;
+    let took_over = died.elapsed();
+    wait_for("240 events applied", Duration::from_secs(60), || async {
+        (applied_count(&client).await >= 240).then_some(())
+    })
+    .await;
+    for m in members.into_iter().flatten() {
+        m.stop().await;
+    }
+    // Bound: the dead member's lease (2 s) plus a heartbeat (2 s / 3), with room for this
+    // busy machine.
+    assert!(
+        took_over < Duration::from_secs(15),
+        "took over after {took_over:?}"
+    );
+    let rows = applied(&client).await;
+    assert_eq!(rows.len(), keys);
+    for (k, seqs) in &rows {
+        assert_eq!(*seqs, (1..=10).collect::<Vec<_>>(), "key {k}");
+    }
+    eprintln!("before: {shares:?}; after: {owners:?}; taken over in {took_over:?}");
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// A member stalls (as under SIGSTOP: its Postgres and broker connections blackholed, so it
+/// neither renews its lease nor answers AMQP heartbeats): its lease lapses, the other member
+/// registers on its partitions and becomes their active consumer once the broker closed the
+/// stalled connection, within `member_lease` + the broker's heartbeat timeout. When it comes
+/// back it rejoins; every event is applied exactly once and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_member_loses_its_partitions_within_the_bound() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 4);
+    let m0 = Running::start(&db, member(&cfg, "m0"), Scripted::new("m0"));
+    let pg = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let mq = TcpProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let url = db.url().replace(":5432/", &format!(":{}/", pg.port()));
+    let deps = ConsumerDeps {
+        pool: outbox_kit::db::DbTarget::parse(&url).unwrap().pool(
+            &db.schema,
+            "outbox-it-stalled",
+            32,
+        ),
+        amqp: AmqpTarget::parse(&amqp_url()).unwrap().with_port(mq.port()),
+    };
+    let m1 = Running::start_with(deps, member(&cfg, "m1"), Scripted::new("m1"));
+    let owners = |want: &'static [(&'static str, usize)]| {
+        let cfg = &cfg;
+        move || async move {
+            let owners = active_owners(cfg).await;
+            want.iter()
+                .all(|(m, n)| owners.get(*m).map_or(0, Vec::len) == *n)
+                .then_some(())
+        }
+    };
+    wait_for(
+        "two members own 2 partitions each",
+        Duration::from_secs(60),
+        owners(&[("m0", 2), ("m1", 2)]),
+    )
+    .await;
+    let publisher = RawPublisher::new(&ex).await;
+    let keys = 16;
+    for k in 0..keys {
+        publisher
+            .publish(&RawEvent::new(&format!("k{k}"), 1, json!({})))
+            .await;
+    }
+    wait_for("16 events applied", Duration::from_secs(30), || async {
+        (applied_count(&client).await >= 16).then_some(())
+    })
+    .await;
+
+    pg.set(Mode::Blackhole);
+    mq.set(Mode::Blackhole);
+    let stalled = Instant::now();
+    for k in 0..keys {
+        publisher
+            .publish(&RawEvent::new(&format!("k{k}"), 2, json!({})))
+            .await;
+    }
+    wait_for(
+        "m0 active on all 4 partitions",
+        Duration::from_secs(90),
+        owners(&[("m0", 4)]),
+    )
+    .await;
+    let took_over = stalled.elapsed();
+    wait_for("32 events applied", Duration::from_secs(30), || async {
+        (applied_count(&client).await >= 32).then_some(())
+    })
+    .await;
+
+    // Back from the stall: it reconnects and gets its share again.
+    pg.set(Mode::Pass);
+    mq.set(Mode::Pass);
+    wait_for(
+        "m1 back with 2 partitions",
+        Duration::from_secs(90),
+        owners(&[("m0", 2), ("m1", 2)]),
+    )
+    .await;
+    for k in 0..keys {
+        publisher
+            .publish(&RawEvent::new(&format!("k{k}"), 3, json!({})))
+            .await;
+    }
+    wait_for("48 events applied", Duration::from_secs(30), || async {
+        (applied_count(&client).await >= 48).then_some(())
+    })
+    .await;
+    m0.stop().await;
+    m1.stop().await;
+    // The stated bound: member_lease (2 s) + the broker's heartbeat timeout (about three
+    // 10 s intervals; 29 s measured here), with room for this busy machine.
+    assert!(
+        took_over < Duration::from_secs(60),
+        "took over after {took_over:?}"
+    );
+    let rows = applied(&client).await;
+    assert_eq!(rows.len(), keys);
+    for (k, seqs) in &rows {
+        assert_eq!(*seqs, [1, 2, 3], "key {k}");
+    }
+    eprintln!("a stalled member's partitions moved after {took_over:?}");
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// One partition, one key failing transiently: the other keys' events are applied while it
+/// retries in place, and its own later event waits behind it; once the dependency is back
+/// both are applied in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transient_failure_holds_only_its_key() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = group_config(&ex, 1);
+    cfg.max_attempts = std::num::NonZeroU32::new(200);
+    let handler = Scripted::new("m");
+    handler.stuck.store(true, Ordering::SeqCst);
+    let running = Running::start(&db, cfg.clone(), handler.clone());
+    wait_group_ready(&cfg).await;
+    let publisher = RawPublisher::new(&ex).await;
+    publisher
+        .publish(&RawEvent::new("stuck", 1, json!({"stuck": true})))
+        .await;
+    publisher
+        .publish(&RawEvent::new("stuck", 2, json!({})))
+        .await;
+    for k in 0..20 {
+        publisher
+            .publish(&RawEvent::new(&format!("free{k}"), 1, json!({})))
+            .await;
+    }
+    wait_for(
+        "the other keys applied while stuck/1 retries",
+        Duration::from_secs(30),
+        || async { (applied_count(&client).await >= 20).then_some(()) },
+    )
+    .await;
+    wait_for("stuck/1 retried", Duration::from_secs(30), || async {
+        (handler.stuck_attempts.load(Ordering::SeqCst) >= 3).then_some(())
+    })
+    .await;
+    assert!(
+        !applied(&client).await.contains_key("stuck"),
+        "stuck/2 waits behind stuck/1"
+    );
+    handler.stuck.store(false, Ordering::SeqCst);
+    wait_for("the stuck key applied", Duration::from_secs(30), || async {
+        (applied(&client).await.get("stuck") == Some(&vec![1, 2])).then_some(())
+    })
+    .await;
+    let tries = handler.stuck_attempts.load(Ordering::SeqCst);
+    assert_eq!(
+        handler.applied_attempt.load(Ordering::SeqCst),
+        tries,
+        "the handler sees how many attempts failed before"
+    );
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// (last_seq, blocked_seq, held events) of key `order/<key>`; zeros before its first record.
+async fn key_state(client: &Client, consumer: &str, key: &str) -> (i64, Option<i64>, i64) {
+    let Some(r) = client
+        .query_opt(
+            "SELECT last_seq, blocked_seq,
+                    (SELECT count(*) FROM outbox_inbox_held h
+                      WHERE h.consumer = k.consumer AND h.aggregate_id = k.aggregate_id)
+               FROM outbox_inbox_keys k WHERE consumer = $1 AND aggregate_id = $2",
+            &[&consumer, &key],
+        )
+        .await
+        .unwrap()
+    else {
+        return (0, None, 0);
+    };
+    (r.get(0), r.get(1), r.get(2))
+}
+
+/// A poison event with block-key: dead-lettered with a record, the key's later events held
+/// in the database and acked (the partition queue empties), other keys flow; released by
+/// the SQL function and by `outbox-relay consumer-release`, the held events are applied in
+/// order before newer ones. With continue the key goes on by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_poison_event_blocks_its_key_until_released() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 1);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let publisher = RawPublisher::new(&ex).await;
+    let poison = RawEvent::new("p", 2, json!({"poison": true}));
+    publisher.publish(&RawEvent::new("p", 1, json!({}))).await;
+    publisher.publish(&poison).await;
+    publisher.publish(&RawEvent::new("p", 3, json!({}))).await;
+    publisher.publish(&RawEvent::new("p", 4, json!({}))).await;
+    for k in 0..10 {
+        publisher
+            .publish(&RawEvent::new(&format!("free{k}"), 1, json!({})))
+            .await;
+    }
+    let d = wait_for(
+        "the poison dead-lettered",
+        Duration::from_secs(30),
+        || async { dead.all().into_iter().next() },
+    )
+    .await;
+    assert_eq!(d.event_id, poison.event_id.to_string());
+    assert!(d.reason.contains("poison"), "{}", d.reason);
+    wait_for(
+        "p blocked at 2 with 3 and 4 held; other keys applied",
+        Duration::from_secs(30),
+        || async {
+            let other = applied(&client)
+                .await
+                .keys()
+                .filter(|k| k.starts_with("free"))
+                .count();
+            (key_state(&client, &cfg.name, "p").await == (2, Some(2), 2) && other == 10)
+                .then_some(())
+        },
+    )
+    .await;
+    let outcome: String = client
+        .query_one(
+            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+            &[&poison.event_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(outcome, "dead");
+    wait_for("the held events acked", Duration::from_secs(20), || async {
+        (queue_depth(&cfg.partition_queue(0)).await == 0).then_some(())
+    })
+    .await;
+    // A newer event while blocked is held too, behind the others.
+    publisher.publish(&RawEvent::new("p", 5, json!({}))).await;
+    wait_for("p/5 held", Duration::from_secs(20), || async {
+        (key_state(&client, &cfg.name, "p").await.2 == 3).then_some(())
+    })
+    .await;
+    assert_eq!(applied(&client).await.get("p"), Some(&vec![1]));
+
+    // Release through SQL.
+    let held: Option<i64> = client
+        .query_one(
+            "SELECT outbox_consumer_release($1, 'order', 'p')",
+            &[&cfg.name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, Some(3));
+    publisher.publish(&RawEvent::new("p", 6, json!({}))).await;
+    wait_for(
+        "p/3..6 applied in order",
+        Duration::from_secs(30),
+        || async { (applied(&client).await.get("p") == Some(&vec![1, 3, 4, 5, 6])).then_some(()) },
+    )
+    .await;
+    assert_eq!(key_state(&client, &cfg.name, "p").await, (6, None, 0));
+
+    // Blocked again, released through the command.
+    publisher
+        .publish(&RawEvent::new("p", 7, json!({"poison": true})))
+        .await;
+    publisher.publish(&RawEvent::new("p", 8, json!({}))).await;
+    wait_for("p blocked at 7", Duration::from_secs(30), || async {
+        (key_state(&client, &cfg.name, "p").await == (7, Some(7), 1)).then_some(())
+    })
+    .await;
+    let key = "order/p".to_owned();
+    let (code, out, err) = run_to_end(
+        &[
+            "consumer-release",
+            "--database-url",
+            &db.url(),
+            "--schema",
+            &db.schema.to_string(),
+            "--consumer",
+            &cfg.name,
+            "--key",
+            &key,
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("1 held event"), "{out}");
+    wait_for("p/8 applied", Duration::from_secs(30), || async {
+        (applied(&client).await.get("p") == Some(&vec![1, 3, 4, 5, 6, 8])).then_some(())
+    })
+    .await;
+    let (code, out, _) = run_to_end(
+        &[
+            "consumer-release",
+            "--database-url",
+            &db.url(),
+            "--schema",
+            &db.schema.to_string(),
+            "--consumer",
+            &cfg.name,
+            "--key",
+            &key,
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert!(out.contains("not blocked"), "{out}");
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+
+    // Continue: the key goes on without an operator.
+    let mut cfg = group_config(&exchange(), 1);
+    cfg.ordered.as_mut().unwrap().on_dead = OnDead::Continue;
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let publisher = RawPublisher::new(&cfg.exchange).await;
+    publisher
+        .publish(&RawEvent::new("c", 1, json!({"poison": true})))
+        .await;
+    publisher.publish(&RawEvent::new("c", 2, json!({}))).await;
+    wait_for(
+        "c/2 applied after the dead c/1",
+        Duration::from_secs(30),
+        || async { (applied(&client).await.get("c") == Some(&vec![2])).then_some(()) },
+    )
+    .await;
+    assert_eq!(key_state(&client, &cfg.name, "c").await, (2, None, 0));
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// A handler that panics: its event is dead-lettered and its key blocked like a terminal
+/// failure, and the partition goes on (the panic does not unwind the partition's consumer,
+/// whose drop would cancel it while it still holds unacked events).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_handler_dead_letters_its_event_and_the_partition_goes_on() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 1);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let publisher = RawPublisher::new(&ex).await;
+    let bug = RawEvent::new("b", 1, json!({"panic": true}));
+    publisher.publish(&bug).await;
+    publisher.publish(&RawEvent::new("b", 2, json!({}))).await;
+    publisher
+        .publish(&RawEvent::new("other", 1, json!({})))
+        .await;
+    let d = wait_for(
+        "the panicking event dead-lettered",
+        Duration::from_secs(30),
+        || async { dead.all().into_iter().next() },
+    )
+    .await;
+    assert_eq!(d.event_id, bug.event_id.to_string());
+    assert!(d.reason.contains("panicked"), "{}", d.reason);
+    wait_for(
+        "b blocked with 2 held, other applied",
+        Duration::from_secs(30),
+        || async {
+            (key_state(&client, &cfg.name, "b").await == (1, Some(1), 1)
+                && applied(&client).await.contains_key("other"))
+            .then_some(())
+        },
+    )
+    .await;
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+async fn queue_depth(queue: &str) -> u32 {
+    let conn = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-depth")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _ = conn.close(200, "ok".into()).await;
+    q.message_count()
+}
+
+/// A seq jump (seq 2 parked upstream with --on-park continue, or routed elsewhere) is
+/// applied at once and recorded; seq 2 arriving later is older than the key: a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_seq_jump_is_applied_at_once_and_recorded() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 2);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let publisher = RawPublisher::new(&ex).await;
+    publisher.publish(&RawEvent::new("j", 1, json!({}))).await;
+    publisher.publish(&RawEvent::new("j", 3, json!({}))).await;
+    wait_for("1 and 3 applied", Duration::from_secs(20), || async {
+        (applied(&client).await.get("j") == Some(&vec![1, 3])).then_some(())
+    })
+    .await;
+    let (expected, got, action): (i64, i64, String) = {
+        let r = client
+            .query_one(
+                "SELECT expected_seq, got_seq, action FROM outbox_inbox_gaps WHERE aggregate_id = 'j'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!((expected, got, action.as_str()), (2, 3, "jumped"));
+    publisher.publish(&RawEvent::new("j", 2, json!({}))).await;
+    publisher.publish(&RawEvent::new("j", 4, json!({}))).await;
+    wait_for("4 applied, late 2 not", Duration::from_secs(20), || async {
+        (applied(&client).await.get("j") == Some(&vec![1, 3, 4])).then_some(())
+    })
+    .await;
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// Bindings that take only some event types of a key, and a partition count other than
+/// the one recorded, are refused at start-up with errors that say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_bindings_and_a_changed_partition_count_are_refused() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let mut cfg = group_config(&exchange(), 4);
+    cfg.bindings = vec!["order.created".into()];
+    let r = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    let err = tokio::time::timeout(Duration::from_secs(10), r.handle)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    let ConsumerError::Config(e) = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(e.flag, "bindings");
+    assert!(e.problem.contains("'order.created'"), "{err}");
+
+    let cfg = group_config(&exchange(), 4);
+    client
+        .query_one("SELECT outbox_group_join($1, 8)", &[&cfg.name])
+        .await
+        .unwrap();
+    let r = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    let err = tokio::time::timeout(Duration::from_secs(10), r.handle)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, ConsumerError::Group(_)), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("has 8 partitions, not 4") && text.contains("drain the group"),
+        "{text}"
+    );
+}
+
+/// The channel numbers the broker lists for the connection named `name`.
+async fn channel_numbers(name: &str) -> Vec<u32> {
+    let conns = rabbitmqctl(&[
+        "list_connections",
+        "-q",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ])
+    .await;
+    let Some(pid) = conns
+        .lines()
+        .find(|l| l.contains(name))
+        .and_then(|l| l.split_whitespace().next())
+    else {
+        return Vec::new();
+    };
+    let chans = rabbitmqctl(&[
+        "list_channels",
+        "-q",
+        "--no-table-headers",
+        "connection",
+        "number",
+    ])
+    .await;
+    chans
+        .lines()
+        .filter(|l| l.starts_with(pid))
+        .filter_map(|l| l.split_whitespace().last()?.parse().ok())
+        .collect()
+}
+
+/// The broker nacks every dead-letter copy (a queue bound to the dead-letter exchange
+/// rejects publishes): after nacks alone for `retry_max` the kit opens a new publish
+/// channel, as the relay does with a session that only gets nacks; once the broker takes
+/// copies again the event is dead-lettered and its key blocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publish_channel_that_only_nacks_is_replaced() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 1);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let before = channel_numbers(&cfg.connection_name).await;
+    assert!(!before.is_empty(), "no channels listed for the runner");
+
+    let conn = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-reject")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let reject = format!("{}.reject", cfg.queue);
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        outbox_kit::amqp::long_string("reject-publish"),
+    );
+    ch.queue_declare(reject.as_str().into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    ch.queue_bind(
+        reject.as_str().into(),
+        format!("{}.dlx", cfg.queue).as_str().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    RawPublisher::new(&ex)
+        .await
+        .publish(&RawEvent::new("n", 1, json!({"poison": true})))
+        .await;
+    let max_before = before.iter().copied().max().unwrap();
+    wait_for(
+        "a new publish channel after nacks only",
+        Duration::from_secs(30),
+        || async {
+            let now = channel_numbers(&cfg.connection_name).await;
+            now.iter().any(|n| *n > max_before).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        key_state(&client, &cfg.name, "n").await.1,
+        None,
+        "not dead yet"
+    );
+    ch.queue_delete(reject.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    wait_for(
+        "n/1 dead-lettered and blocked",
+        Duration::from_secs(30),
+        || async { (key_state(&client, &cfg.name, "n").await.1 == Some(1)).then_some(()) },
+    )
+    .await;
+    let _ = conn.close(200, "ok".into()).await;
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// A consumer in another language drives a group from SQL alone: membership, apply, jump,
+/// duplicate, dead with block, hold, release and the drain of held events in seq order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sql_functions_alone_give_the_group_rules() {
+    let db = TestDb::new().await;
+    let c = db.client().await;
+    let one = |sql: &'static str| {
+        let c = &c;
+        async move { c.query_one(sql, &[]).await.unwrap() }
+    };
+    assert_eq!(
+        one("SELECT outbox_group_join('g', 4)")
+            .await
+            .get::<_, i32>(0),
+        4
+    );
+    let err = c
+        .query_one("SELECT outbox_group_join('g', 2)", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().unwrap().code(), "OB002");
+    let members: Vec<String> = c
+        .query("SELECT * FROM outbox_group_beat('g', 'b', 3000)", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(members, ["b"]);
+    c.query("SELECT * FROM outbox_group_beat('g', 'a', 3000)", &[])
+        .await
+        .unwrap();
+    let members: Vec<String> = c
+        .query("SELECT * FROM outbox_group_beat('g', 'b', 3000)", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(members, ["a", "b"], "sorted: a owns even partitions, b odd");
+
+    let record = |seq: i64, id: uuid::Uuid| {
+        let c = &c;
+        async move {
+            c.query_one(
+                "SELECT outcome FROM outbox_group_record('g', 1, $1, 'order', 'k', $2, 'created', 'order.created', '{}', '\\x7b7d')",
+                &[&id, &seq],
+            )
+            .await
+            .unwrap()
+            .get::<_, String>(0)
+        }
+    };
+    let ids: Vec<uuid::Uuid> = (0..8).map(|_| kit::fresh_uuid()).collect();
+    assert_eq!(record(1, ids[1]).await, "apply");
+    assert_eq!(record(1, ids[1]).await, "duplicate");
+    assert_eq!(record(3, ids[3]).await, "jumped");
+    assert_eq!(record(2, ids[2]).await, "duplicate", "older than the key");
+    c.execute(
+        "SELECT outbox_group_dead('g', $1, 'order', 'k', 4, 'poison', true)",
+        &[&ids[4]],
+    )
+    .await
+    .unwrap();
+    assert_eq!(record(4, ids[4]).await, "duplicate", "the dead one's copy");
+    assert_eq!(record(6, ids[6]).await, "held");
+    assert_eq!(record(5, ids[5]).await, "held");
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox_group_releasable('g', ARRAY[1])",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0, "blocked: nothing to drain");
+    let held: Option<i64> = one("SELECT outbox_consumer_release('g', 'order', 'k')")
+        .await
+        .get(0);
+    assert_eq!(held, Some(2));
+    assert_eq!(
+        record(7, ids[7]).await,
+        "held",
+        "queues behind the held ones"
+    );
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox_group_releasable('g', ARRAY[1])",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    let mut drained = Vec::new();
+    loop {
+        let row = c
+            .query_opt(
+                "SELECT outcome, seq FROM outbox_group_take_held('g', 'order', 'k')",
+                &[],
+            )
+            .await
+            .unwrap();
+        let Some(row) = row else { break };
+        drained.push((row.get::<_, String>(0), row.get::<_, i64>(1)));
+    }
+    assert_eq!(
+        drained,
+        [
+            ("apply".to_owned(), 5),
+            ("apply".to_owned(), 6),
+            ("apply".to_owned(), 7)
+        ]
+    );
+    assert_eq!(record(8, kit::fresh_uuid()).await, "apply");
+    let outcomes: Vec<(i64, String)> = c
+        .query(
+            "SELECT seq, outcome FROM outbox_inbox WHERE consumer = 'g' ORDER BY seq",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let seqs: Vec<i64> = outcomes.iter().map(|(s, _)| *s).collect();
+    assert_eq!(seqs, [1, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(outcomes[2].1, "dead");
+}
+
+/// What the broker answers to an exchange type it does not know (the runner turns this
+/// answer, for `x-consistent-hash`, into "enable the rabbitmq_consistent_hash_exchange
+/// plugin"): pins the text the runner matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_names_an_unknown_exchange_type() {
+    let conn = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-unknown-type")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let err = ch
+        .exchange_declare(
+            exchange().as_str().into(),
+            lapin::ExchangeKind::Custom("x-no-such-type".into()),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    eprintln!("{text}");
+    assert!(text.contains("exchange type"), "{text}");
+    assert!(text.contains("x-no-such-type"), "{text}");
+}
