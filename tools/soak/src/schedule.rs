@@ -80,6 +80,14 @@ pub enum Fault {
     /// the broker acks, the mark cannot go out; once the tap has the rows and the ack has
     /// come back, SIGKILL; restart after `down_ms`.
     KillBetweenAckAndMark { relay: usize, down_ms: u64 },
+    /// SIGKILL of a consumer group instance, down for `down_ms`, then a new one.
+    KillConsumer { consumer: usize, down_ms: u64 },
+    /// SIGSTOP of a consumer group instance for `pause_ms` (past its member lease, so the
+    /// others take its partitions over), then SIGCONT.
+    PauseConsumer { consumer: usize, pause_ms: u64 },
+    /// Every instance of the group stopped (SIGTERM) for `stop_ms`, then started again: the
+    /// queues build a backlog of `stop_ms` of production.
+    StopConsumers { stop_ms: u64 },
     /// The soak's own Postgres server stopped (fast, or immediate as in a crash), down for
     /// `down_ms`, started again.
     RestartPostgres { down_ms: u64, immediate: bool },
@@ -98,11 +106,22 @@ impl Fault {
             | Fault::Delay { target, .. }
             | Fault::Reset { target, .. }
             | Fault::TerminatePg { target } => Some(*target),
-            Fault::CrashConsumer { consumer } => Some(Target::Consumer(*consumer)),
+            Fault::CrashConsumer { consumer }
+            | Fault::KillConsumer { consumer, .. }
+            | Fault::PauseConsumer { consumer, .. } => Some(Target::Consumer(*consumer)),
             Fault::KillBetweenAckAndMark { relay, .. } => Some(Target::Relay(*relay)),
             Fault::Duplicates { .. }
+            | Fault::StopConsumers { .. }
             | Fault::RestartPostgres { .. }
             | Fault::RestartRabbitmq { .. } => None,
+        }
+    }
+
+    /// The processes the fault holds: its target, or every consumer instance.
+    pub fn holds(&self, consumers: usize) -> Vec<Target> {
+        match self {
+            Fault::StopConsumers { .. } => (0..consumers).map(Target::Consumer).collect(),
+            _ => self.target().into_iter().collect(),
         }
     }
 
@@ -150,6 +169,10 @@ impl Fault {
             Fault::CloseAmqp { .. } => 3_000,
             Fault::CrashConsumer { .. } => 3_000,
             Fault::TerminatePg { .. } | Fault::Duplicates { .. } => 500,
+            Fault::KillConsumer { down_ms, .. } => *down_ms,
+            Fault::PauseConsumer { pause_ms, .. } => *pause_ms,
+            // The instances' clean stop, then the outage.
+            Fault::StopConsumers { stop_ms } => 5_000 + *stop_ms,
             // Waiting for a publish, the tap and the ack, then the restart.
             Fault::KillBetweenAckAndMark { down_ms, .. } => 3_000 + *down_ms,
             // Stop and start take seconds of their own (measured on the 2-core machine:
@@ -208,6 +231,21 @@ impl fmt::Display for Fault {
                 "SIGKILL relay {relay} between the broker's ack and its mark, restart after {}",
                 s(down_ms)
             ),
+            Fault::KillConsumer { consumer, down_ms } => write!(
+                f,
+                "SIGKILL consumer {consumer}, restart after {}",
+                s(down_ms)
+            ),
+            Fault::PauseConsumer { consumer, pause_ms } => write!(
+                f,
+                "SIGSTOP consumer {consumer} for {}, then SIGCONT",
+                s(pause_ms)
+            ),
+            Fault::StopConsumers { stop_ms } => write!(
+                f,
+                "stop every consumer instance for {} (a backlog), then start them",
+                s(stop_ms)
+            ),
             Fault::RestartPostgres { down_ms, immediate } => write!(
                 f,
                 "restart Postgres ({} stop, down {})",
@@ -239,11 +277,17 @@ pub struct Shape {
     pub lease: Duration,
     /// The soak runs its own Postgres and RabbitMQ: it may restart them.
     pub own_services: bool,
+    /// The longest outage of every consumer instance (zero: none); drawn between half of it
+    /// and all of it.
+    pub backlog: Duration,
+    /// The consumers' member lease: a pause of an instance outlasts it.
+    pub member_lease: Duration,
 }
 
-/// Kinds of fault on shared services; with its own, two more (the restarts).
-const KINDS: usize = 11;
-const KINDS_OWN: usize = 13;
+/// Kinds of fault: 0-13 always (13 only with a backlog), 14-15 with the soak's own services.
+const KINDS: usize = 16;
+const STOP_CONSUMERS: usize = 13;
+const RESTARTS: [usize; 2] = [14, 15];
 
 /// Seconds before the first fault: relays and consumers are up and the stream flows.
 const WARMUP_MS: u64 = 5_000;
@@ -254,12 +298,17 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
     let mut rng = Rng::new(seed).fork(1);
     let end = shape.duration.as_millis() as u64;
     let lease = shape.lease.as_millis() as u64;
-    let kinds = if shape.own_services { KINDS_OWN } else { KINDS };
+    let kinds: Vec<usize> = (0..KINDS)
+        .filter(|k| shape.own_services || !RESTARTS.contains(k))
+        .filter(|k| !shape.backlog.is_zero() || *k != STOP_CONSUMERS)
+        .collect();
+    let backlog = shape.backlog.as_millis() as u64;
+    let member_lease = shape.member_lease.as_millis() as u64;
     let mut busy_until: std::collections::HashMap<Target, u64> = Default::default();
     // Per service: until when it is down (restarted), and until when a fault needs it.
     let mut down_until: std::collections::HashMap<Service, u64> = Default::default();
     let mut needed_until: std::collections::HashMap<Service, u64> = Default::default();
-    let mut first: Vec<usize> = (0..kinds).collect();
+    let mut first = kinds.clone();
     rng.shuffle(&mut first);
     let mut next_kind = first.into_iter();
     let mut plan = Vec::new();
@@ -276,7 +325,7 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
             None
         })
         .or_else(|| next_kind.next())
-        .unwrap_or_else(|| rng.below(kinds as u64) as usize);
+        .unwrap_or_else(|| kinds[rng.below(kinds.len() as u64) as usize]);
         let relay = rng.below(shape.relays as u64) as usize;
         let consumer = rng.below(shape.consumers as u64) as usize;
         let any = if rng.chance(0.6) {
@@ -330,7 +379,19 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
                 relay,
                 down_ms: rng.range(300, 2_000),
             },
-            11 => Fault::RestartPostgres {
+            11 => Fault::KillConsumer {
+                consumer,
+                down_ms: rng.range(300, 3_000),
+            },
+            12 => Fault::PauseConsumer {
+                consumer,
+                // Past the member lease, by up to three seconds more.
+                pause_ms: member_lease + rng.range(1_000, 3_000),
+            },
+            STOP_CONSUMERS => Fault::StopConsumers {
+                stop_ms: rng.range(backlog / 2, backlog.max(2)),
+            },
+            14 => Fault::RestartPostgres {
                 down_ms: rng.range(500, 5_000),
                 immediate: rng.chance(0.5),
             },
@@ -347,7 +408,8 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
             continue;
         }
         let until = |m: Option<&u64>| m.is_some_and(|u| *u > at);
-        let blocked = fault.target().is_some_and(|t| until(busy_until.get(&t)))
+        let holds = fault.holds(shape.consumers);
+        let blocked = holds.iter().any(|t| until(busy_until.get(t)))
             || fault.needs().iter().any(|s| until(down_until.get(s)))
             || fault
                 .restarts()
@@ -365,7 +427,7 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
         }
         tries = 0;
         // A second apart at least, so each fault's effect is its own.
-        if let Some(t) = fault.target() {
+        for t in holds {
             busy_until.insert(t, at + length + 1_000);
         }
         for s in fault.needs() {
@@ -392,6 +454,8 @@ mod tests {
             consumers: 2,
             lease: Duration::from_secs(3),
             own_services: true,
+            backlog: Duration::from_secs(10),
+            member_lease: Duration::from_secs(6),
         }
     }
 
@@ -409,7 +473,7 @@ mod tests {
             for p in &plan {
                 let end = p.at_ms + p.fault.length().as_millis() as u64;
                 assert!(end + TAIL_MS <= 90_000, "seed {seed}: {p:?}");
-                if let Some(t) = p.fault.target() {
+                for t in p.fault.holds(2) {
                     assert!(
                         until.get(&t).is_none_or(|u| *u <= p.at_ms),
                         "seed {seed}: {p:?}"
@@ -445,17 +509,20 @@ mod tests {
     }
 
     #[test]
-    fn ninety_seconds_inject_every_kind_and_pauses_outlast_the_takeover() {
-        let plan = draw(7, &shape(90));
+    fn two_minutes_inject_every_kind_and_pauses_outlast_the_takeover() {
+        let plan = draw(7, &shape(120));
         let kinds: std::collections::HashSet<_> = plan
             .iter()
             .map(|p| std::mem::discriminant(&p.fault))
             .collect();
-        // Thirteen kinds; the two `CloseAmqp` (relay, consumer) share a variant.
-        assert_eq!(kinds.len(), 12, "{plan:#?}");
+        // Sixteen kinds; the two `CloseAmqp` (relay, consumer) share a variant.
+        assert_eq!(kinds.len(), 15, "{plan:#?}");
         for p in &plan {
             if let Fault::PauseRelay { pause_ms, .. } = p.fault {
                 assert!(pause_ms > 4_000);
+            }
+            if let Fault::PauseConsumer { pause_ms, .. } = p.fault {
+                assert!(pause_ms > 6_000, "past the member lease");
             }
         }
     }

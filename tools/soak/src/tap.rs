@@ -46,11 +46,12 @@ pub async fn declare_exchange(conn: &Connection, exchange: &str) -> anyhow::Resu
     Ok(())
 }
 
-/// The tap queue's arguments: it deletes itself when nothing has used it for two minutes
-/// (a soak that was itself killed leaves nothing behind on a shared broker).
+/// The tap queue's arguments: it deletes itself when nothing has used it for ten minutes
+/// (a soak that was itself killed leaves nothing behind on a shared broker; a tap that
+/// reconnects after a broker restart is back within seconds).
 fn tap_queue_args() -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-expires"), AMQPValue::LongInt(120_000));
+    args.insert(ShortString::from("x-expires"), AMQPValue::LongInt(600_000));
     args
 }
 
@@ -123,6 +124,7 @@ impl Tap {
                         }
                     },
                 };
+                let mut check = tokio::time::interval(std::time::Duration::from_millis(500));
                 loop {
                     let d = tokio::select! {
                         _ = s.cancelled() => {
@@ -130,6 +132,15 @@ impl Tap {
                             return;
                         }
                         d = consumer.next() => d,
+                        // A consumer stream does not always end when its connection does
+                        // (a tap stuck after broker restarts was seen): watch the
+                        // connection itself.
+                        _ = check.tick() => {
+                            if conn.status().connected() {
+                                continue;
+                            }
+                            break;
+                        }
                     };
                     // The connection went (a broker restart, a closed connection): what was
                     // not acked comes again on the next one.

@@ -57,22 +57,46 @@ pub(super) async fn drive(
         "the relays did not take the 64 partitions within 60 s; see {}",
         work.display()
     );
+    // Every instance is a live member of the group and every partition queue is consumed.
+    let partition_queues = consumer::partition_queues(queue, &world.exchange);
     let consuming = wait_until(
         Duration::from_secs(60),
         Duration::from_millis(300),
         || async {
-            queue_depth(&world.amqp, queue)
+            let members: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_consumer_members WHERE consumer = $1 AND lease_until > now()",
+                    &[&consumer::GROUP],
+                )
                 .await
-                .is_some_and(|(_, consumers)| consumers as usize >= world.consumers.len())
+                .map_or(0, |r| r.get(0));
+            if (members as usize) < world.consumers.len() {
+                return false;
+            }
+            for q in &partition_queues {
+                if queue_depth(&world.amqp, q)
+                    .await
+                    .is_none_or(|(_, consumers)| consumers == 0)
+                {
+                    return false;
+                }
+            }
+            true
         },
     )
     .await;
     anyhow::ensure!(
         consuming,
-        "the consumers did not start consuming {queue} within 60 s; see {}",
+        "the consumer group did not have {} members consuming its {} partition queues within 60 s; see {}",
+        world.consumers.len(),
+        partition_queues.len(),
         work.display()
     );
-    println!("relays hold the partitions, consumers consume; producing");
+    println!(
+        "relays hold the partitions, {} consumer instances share the group's {} partitions; producing",
+        world.consumers.len(),
+        partition_queues.len()
+    );
 
     // Producers.
     let stop_producing = CancellationToken::new();
@@ -214,7 +238,7 @@ pub(super) async fn drive(
     );
 
     // The quiet period: wait until everything committed is dispatched, seen by the tap,
-    // applied once, and its effect is sent.
+    // applied once (or dead-lettered with a record), and its effect is sent.
     let committed_ids: HashSet<String> = produced
         .lock()
         .unwrap()
@@ -226,9 +250,11 @@ pub(super) async fn drive(
         let Ok(r) = client
             .query_one(
                 "SELECT (SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL),
-                        (SELECT count(DISTINCT event_id) FROM soak_applied),
+                        (SELECT count(*) FROM (SELECT event_id FROM soak_applied
+                                                UNION SELECT event_id FROM outbox_inbox
+                                                       WHERE consumer = $1 AND outcome = 'dead') h),
                         (SELECT count(*) FROM outbox_effects WHERE state <> 'sent')",
-                &[],
+                &[&consumer::GROUP],
             )
             .await
         else {

@@ -23,6 +23,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
 
+use crate::consumer;
 use crate::destination::{self, Book};
 use crate::procs::wait_until;
 use crate::procs::{self, Slot};
@@ -30,7 +31,7 @@ use crate::producer::now_ms;
 use crate::schedule::{Fault, Planned, Service, Target};
 use crate::tap::{self, Tap};
 
-use super::setup::{Proxies, app_name};
+use super::setup::{Proxies, app_name, queue_depth};
 use super::{FaultRecord, Own};
 
 /// Whether a chunk a client sends holds an AMQP `basic.publish`: a method frame (type 1,
@@ -53,6 +54,8 @@ SELECT e.event_id FROM outbox_events e
 pub(super) struct World {
     pub(super) db_name: String,
     pub(super) exchange: String,
+    /// The consumer group's queue name (its partition queues are named after it).
+    pub(super) queue: String,
     pub(super) amqp: AmqpTarget,
     pub(super) target: DbTarget,
     pub(super) relays: Vec<Slot>,
@@ -132,24 +135,15 @@ impl World {
             None => None,
         };
         match fault {
-            Fault::KillRelay { relay, down_ms } => {
-                let slot = &self.relays[*relay];
-                slot.set_faulted(true).await;
-                slot.signal("KILL").await?;
-                slot.wait_exit(Duration::from_secs(10)).await?;
-                tokio::time::sleep(Duration::from_millis(*down_ms)).await;
-                let pid = slot.start().await?;
-                Ok((true, format!("restarted as pid {pid}")))
+            Fault::KillRelay { relay, down_ms } => kill(&self.relays[*relay], *down_ms).await,
+            Fault::PauseRelay { relay, pause_ms } => pause(&self.relays[*relay], *pause_ms).await,
+            Fault::KillConsumer { consumer, down_ms } => {
+                kill(&self.consumers[*consumer], *down_ms).await
             }
-            Fault::PauseRelay { relay, pause_ms } => {
-                let slot = &self.relays[*relay];
-                slot.set_faulted(true).await;
-                slot.signal("STOP").await?;
-                tokio::time::sleep(Duration::from_millis(*pause_ms)).await;
-                slot.signal("CONT").await?;
-                slot.set_faulted(false).await;
-                Ok((true, String::new()))
+            Fault::PauseConsumer { consumer, pause_ms } => {
+                pause(&self.consumers[*consumer], *pause_ms).await
             }
+            Fault::StopConsumers { stop_ms } => self.stop_consumers(*stop_ms).await,
             Fault::CloseAmqp { target } => {
                 let Some(name) = self.connection_name(*target).await else {
                     return Ok((false, "process not running".into()));
@@ -257,6 +251,37 @@ impl World {
                 Ok((true, took(stopped, t.elapsed())))
             }
         }
+    }
+
+    /// Every instance of the group stopped as a deploy stops it (SIGTERM, each finishes
+    /// what it holds), the queues fill for `stop_ms`, then every instance starts again.
+    async fn stop_consumers(&self, stop_ms: u64) -> anyhow::Result<(bool, String)> {
+        let mut unclean = Vec::new();
+        for slot in &self.consumers {
+            slot.set_faulted(true).await;
+            if slot.pid().await.is_some() {
+                slot.signal("TERM").await?;
+                let code = slot.wait_exit(Duration::from_secs(60)).await?;
+                if code != Some(0) {
+                    unclean.push(format!("{} exited {code:?}", slot.name));
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(stop_ms)).await;
+        let mut backlog = 0;
+        for q in consumer::partition_queues(&self.queue, &self.exchange) {
+            backlog += queue_depth(&self.amqp, &q).await.map_or(0, |(n, _)| n);
+        }
+        for slot in &self.consumers {
+            slot.start().await?;
+        }
+        // A clean stop is part of the guarantee: an instance that did not exit 0 is a
+        // failure of the verdict ("error:").
+        anyhow::ensure!(unclean.is_empty(), "SIGTERM: {}", unclean.join(", "));
+        Ok((
+            true,
+            format!("a backlog of {backlog} messages when they started"),
+        ))
     }
 
     /// See the module's doc.
@@ -369,6 +394,26 @@ impl World {
         }
         Ok(())
     }
+}
+
+/// SIGKILL, down for `down_ms`, then a new process in the same slot.
+async fn kill(slot: &Slot, down_ms: u64) -> anyhow::Result<(bool, String)> {
+    slot.set_faulted(true).await;
+    slot.signal("KILL").await?;
+    slot.wait_exit(Duration::from_secs(10)).await?;
+    tokio::time::sleep(Duration::from_millis(down_ms)).await;
+    let pid = slot.start().await?;
+    Ok((true, format!("restarted as pid {pid}")))
+}
+
+/// SIGSTOP for `pause_ms`, then SIGCONT.
+async fn pause(slot: &Slot, pause_ms: u64) -> anyhow::Result<(bool, String)> {
+    slot.set_faulted(true).await;
+    slot.signal("STOP").await?;
+    tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+    slot.signal("CONT").await?;
+    slot.set_faulted(false).await;
+    Ok((true, String::new()))
 }
 
 fn took(stop: Duration, start: Duration) -> String {

@@ -65,9 +65,8 @@ pub struct RunArgs {
     /// schedule.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Events per second, all producers together. Keep it below what the consumers
-    /// apply (docs/guarantees.md, "Soak": ordered consumers behind a long backlog give gaps up).
-    #[arg(long, default_value_t = 100)]
+    /// Events per second, all producers together.
+    #[arg(long, default_value_t = 300)]
     pub rate: u32,
     /// Distinct keys (aggregate ids); a quarter of the events go to eight hot ones.
     #[arg(long, default_value_t = 300)]
@@ -78,9 +77,13 @@ pub struct RunArgs {
     /// Relay processes.
     #[arg(long, default_value_t = 3)]
     pub relays: usize,
-    /// Consumer processes (one consumer group, one queue).
-    #[arg(long, default_value_t = 2)]
+    /// Consumer processes: instances of one ordered consumer group over 8 partitions.
+    #[arg(long, default_value_t = 3)]
     pub consumers: usize,
+    /// The longest outage of every consumer instance at once (a fault of its own, drawn
+    /// between half of it and all of it): the queues build a backlog that long. 0s: none.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub backlog: Duration,
     /// Messages each consumer handles at once (its Postgres pool is twice this: mind
     /// max_connections when the database is shared).
     #[arg(long, default_value_t = 6)]
@@ -155,6 +158,8 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<bool> {
         consumers: args.consumers,
         lease: args.lease,
         own_services: args.services == Services::Own,
+        backlog: args.backlog,
+        member_lease: crate::consumer::MEMBER_LEASE,
     };
     anyhow::ensure!(
         args.relays >= 1 && args.consumers >= 1,

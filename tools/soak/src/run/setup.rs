@@ -277,6 +277,7 @@ pub(super) async fn soak(
     let world = Arc::new(World {
         db_name: db_name.to_owned(),
         exchange: exchange.clone(),
+        queue: queue.clone(),
         amqp: amqp.clone(),
         target: target.clone(),
         relays,
@@ -320,13 +321,18 @@ async fn cleanup_broker(amqp: &AmqpTarget, exchange: &str, queue: &str, tap: &st
     };
     if let Ok(ch) = conn.create_channel().await {
         let mut queues = vec![queue.to_owned(), format!("{queue}.dlq"), tap.to_owned()];
+        queues.extend(consumer::partition_queues(queue, exchange));
         for ms in [100, 200, 400, 800, 1000] {
             queues.push(format!("{queue}.retry.{ms}ms"));
         }
         for q in queues {
             let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
         }
-        for x in [format!("{queue}.dlx"), exchange.to_owned()] {
+        for x in [
+            format!("{queue}.dlx"),
+            format!("{queue}.hash"),
+            exchange.to_owned(),
+        ] {
             let _ = ch
                 .exchange_delete(x.as_str().into(), Default::default())
                 .await;
