@@ -5,7 +5,7 @@
 //!   rules, local defaults) shared with the relay;
 //! - [`schema`]: the SQL migrations (`sql/`) and [`schema::migrate`];
 //! - [`producer`]: enqueue events inside the caller's transaction;
-//! - [`consumer`]: inbox dedupe, ordered apply, effects ledger, budgets, reconciler;
+//! - [`consumer`]: inbox dedupe, ordered consumer groups, effects ledger, budgets, reconciler;
 //! - [`db`], [`amqp`]: connecting to Postgres (TLS with libpq's `sslmode` meanings, in the
 //!   private `tls` module) and RabbitMQ, every await with a deadline;
 //! - [`backoff`], [`down`]: retry delays and rate-limited "still down" logging.
