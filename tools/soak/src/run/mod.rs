@@ -248,8 +248,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<bool> {
     .await;
     if own.is_some() {
         // The private servers go with the run (the soak's admin connection did not survive
-        // their restarts anyway).
+        // their restarts anyway), and the directory that held them.
         drop(own);
+        let _ = std::fs::remove_dir(std::env::temp_dir().join(format!("outbox-soak-{tag}")));
     } else if args.keep {
         println!("kept database {db_name}");
     } else {
