@@ -45,10 +45,21 @@ pub enum Services {
 /// The consumer kit's consumer groups route by key through this plugin's exchange type.
 pub const RABBITMQ_PLUGINS: &[&str] = &["rabbitmq_consistent_hash_exchange"];
 
-/// The private services of a run; dropping them stops them and deletes their data.
+/// The private services of a run; dropping them stops them and deletes their data, then
+/// the directory that held them (fields drop in this order).
 pub(crate) struct Own {
     pub(crate) pg: PrivatePostgres,
     pub(crate) rabbit: RabbitNodes,
+    _dir: EmptyDir,
+}
+
+/// Removes its directory when dropped, once it is empty.
+struct EmptyDir(PathBuf);
+
+impl Drop for EmptyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
 }
 
 #[derive(Debug, Args)]
@@ -221,7 +232,11 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<bool> {
             .map_err(anyhow::Error::msg)?;
             args.database_url = pg.url();
             args.amqp_url = rabbit.url(0);
-            Some(std::sync::Arc::new(Own { pg, rabbit }))
+            Some(std::sync::Arc::new(Own {
+                pg,
+                rabbit,
+                _dir: EmptyDir(base),
+            }))
         }
     };
     let schema = Schema::default();
@@ -248,9 +263,8 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<bool> {
     .await;
     if own.is_some() {
         // The private servers go with the run (the soak's admin connection did not survive
-        // their restarts anyway), and the directory that held them.
+        // their restarts anyway).
         drop(own);
-        let _ = std::fs::remove_dir(std::env::temp_dir().join(format!("outbox-soak-{tag}")));
     } else if args.keep {
         println!("kept database {db_name}");
     } else {
