@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A three-node RabbitMQ cluster on this machine, for trying the relay against a cluster and
-# for the cluster test (tests/it/cluster.rs). Each node has its own node name, AMQP port,
-# Erlang distribution port and data directory; none loads the management plugin (so no
-# management port clashes with the node already running on 5672/15672), each loads
-# rabbitmq_consistent_hash_exchange (ordered consumer groups).
+# for the cluster test (tests/it/cluster.rs); with one node named, a private single node (the
+# soak's own broker, which it restarts). Each node has its own node name, AMQP port, Erlang
+# distribution port and data directory; each loads the plugins CLUSTER_PLUGINS names, by
+# default rabbitmq_consistent_hash_exchange (ordered consumer groups), never the management
+# plugin (its port would clash with the node already running on 5672/15672).
 #
 #   deploy/cluster/rabbitmq-cluster.sh start          # start the three nodes and cluster them
 #   deploy/cluster/rabbitmq-cluster.sh status         # nodes, ports, cluster and quorum queues
@@ -14,8 +15,10 @@
 #   deploy/cluster/rabbitmq-cluster.sh stop [--purge] # stop every node (--purge: delete the data)
 #
 # Settings (environment): CLUSTER_DIR (default ${TMPDIR:-/tmp}/outbox-rabbitmq-cluster),
-# CLUSTER_NODES (default "rabbit-a rabbit-b rabbit-c", all @localhost), CLUSTER_PORTS
-# (default "5681 5682 5683"), CLUSTER_DIST_PORTS (default "25681 25682 25683").
+# CLUSTER_NODES (default "rabbit-a rabbit-b rabbit-c", all @localhost; one to three names),
+# CLUSTER_PORTS (default "5681 5682 5683"), CLUSTER_DIST_PORTS (default "25681 25682 25683"),
+# as many ports as nodes; CLUSTER_PLUGINS (default "rabbitmq_consistent_hash_exchange", which
+# the consumer kit's ordered groups need; empty: none).
 #
 # Needs rabbitmq-server installed (Debian: apt-get install rabbitmq-server). Run as root
 # (the nodes then run as the rabbitmq user and share its Erlang cookie with rabbitmqctl),
@@ -32,8 +35,11 @@ HOST=localhost
 log() { echo "rabbitmq-cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
 
-[ "${#NODES[@]}" = 3 ] && [ "${#PORTS[@]}" = 3 ] && [ "${#DIST[@]}" = 3 ] ||
-  die "CLUSTER_NODES, CLUSTER_PORTS and CLUSTER_DIST_PORTS must each name three"
+read -r -a PLUGINS <<<"${CLUSTER_PLUGINS-rabbitmq_consistent_hash_exchange}"
+N=${#NODES[@]}
+[ "$N" -ge 1 ] && [ "$N" -le 3 ] && [ "${#PORTS[@]}" = "$N" ] && [ "${#DIST[@]}" = "$N" ] ||
+  die "CLUSTER_NODES (one to three names), CLUSTER_PORTS and CLUSTER_DIST_PORTS must name as many each"
+INDEXES=$(seq 0 $((N - 1)))
 [ -x "$SBIN/rabbitmq-server" ] ||
   die "no $SBIN/rabbitmq-server: install rabbitmq-server (apt-get install rabbitmq-server) or set RABBITMQ_SBIN"
 
@@ -57,13 +63,14 @@ node_name() { echo "${NODES[$1]}@$HOST"; }
 
 # a|b|c, 0|1|2, the short name or the full name → index
 index_of() {
-  case $1 in
-    a | 0) echo 0; return ;;
-    b | 1) echo 1; return ;;
-    c | 2) echo 2; return ;;
-  esac
   local i
-  for i in 0 1 2; do
+  case $1 in
+    a | 0) i=0 ;;
+    b | 1) i=1 ;;
+    c | 2) i=2 ;;
+  esac
+  if [ -n "${i:-}" ] && [ "$i" -lt "$N" ]; then echo "$i"; return; fi
+  for i in $INDEXES; do
     if [ "$1" = "${NODES[$i]}" ] || [ "$1" = "$(node_name "$i")" ]; then echo "$i"; return; fi
   done
   die "no node '$1' (use a, b, c or a node name)"
@@ -86,8 +93,8 @@ start_node() {
     return 0
   fi
   mkdir -p "$dir/mnesia" "$dir/log"
-  # Ordered consumer groups need the consistent-hash exchange (Erlang term syntax).
-  echo '[rabbitmq_consistent_hash_exchange].' >"$dir/enabled_plugins"
+  # An Erlang list: [] or [p1,p2].
+  (IFS=,; echo "[${PLUGINS[*]}].") >"$dir/enabled_plugins"
   # The node's own listener: the system's /etc/rabbitmq/rabbitmq.conf may name 5672.
   printf 'listeners.tcp.local = 127.0.0.1:%s\n' "${PORTS[$i]}" >"$dir/rabbitmq.conf"
   if [ "$(broker_user)" != "$(id -un)" ]; then chown -R "$(broker_user)" "$DIR"; fi
@@ -133,9 +140,9 @@ clustered() { # is node INDEX a member of the first node's cluster?
 cmd_start() {
   mkdir -p "$DIR"
   local i
-  for i in 0 1 2; do start_node "$i"; done
-  for i in 0 1 2; do await_node "$i"; done
-  for i in 1 2; do
+  for i in $INDEXES; do start_node "$i"; done
+  for i in $INDEXES; do await_node "$i"; done
+  for i in $(seq 1 $((N - 1))); do
     if clustered "$i"; then continue; fi
     log "joining $(node_name "$i") to $(node_name 0)"
     # Joining logs feature-flag chatter on stderr; keep it with the node's logs.
@@ -152,7 +159,7 @@ cmd_start() {
 
 cmd_stop() {
   local i
-  for i in 2 1 0; do stop_node "$i"; done
+  for i in $(seq $((N - 1)) -1 0); do stop_node "$i"; done
   if [ "${1:-}" = --purge ]; then
     rm -rf "$DIR"
     log "removed $DIR"
@@ -161,7 +168,7 @@ cmd_stop() {
 
 cmd_urls() {
   local i urls=""
-  for i in 0 1 2; do
+  for i in $INDEXES; do
     urls="$urls${urls:+,}amqp://guest:guest@127.0.0.1:${PORTS[$i]}/%2f"
   done
   echo "$urls"
@@ -169,7 +176,7 @@ cmd_urls() {
 
 first_running() {
   local i
-  for i in 0 1 2; do
+  for i in $INDEXES; do
     if running "$i"; then echo "$i"; return 0; fi
   done
   die "no node of the cluster is running"
@@ -183,7 +190,7 @@ cmd_leader() {
 
 cmd_status() {
   local i state
-  for i in 0 1 2; do
+  for i in $INDEXES; do
     if running "$i"; then state=running; else state=stopped; fi
     echo "$(node_name "$i")  amqp 127.0.0.1:${PORTS[$i]}  dist ${DIST[$i]}  $state"
   done

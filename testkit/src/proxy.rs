@@ -9,11 +9,16 @@
 //!
 //! Invariant: bytes are forwarded in order and never dropped while a connection lives;
 //! faults end connections (Cut, Reset, the end of a Blackhole), they never corrupt them.
+//!
+//! A trip wire ([`TcpProxy::trip_on_upstream`]) runs an action the moment a client sends a
+//! chunk, before that chunk is forwarded: the soak darkens a relay's Postgres proxy the
+//! instant the relay's AMQP proxy carries a publish, so the broker's ack can come back but
+//! the mark cannot go out.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -45,18 +50,58 @@ pub struct Stats {
     pub accepted: u64,
     /// Connections ended by a fault (Cut, Reset, the end of a Blackhole).
     pub broken: u64,
+    /// Bytes read from the server side, to be forwarded to clients.
+    pub bytes_down: u64,
+    /// `bytes_down` when the trip wire last fired: what came from the server after that
+    /// came after the tripping chunk was sent.
+    pub bytes_down_at_trip: Option<u64>,
 }
 
-#[derive(Default)]
 struct Counters {
     accepted: AtomicU64,
     broken: AtomicU64,
+    bytes_down: AtomicU64,
+    /// u64::MAX until the trip wire fires.
+    bytes_down_at_trip: AtomicU64,
 }
+
+impl Default for Counters {
+    fn default() -> Counters {
+        Counters {
+            accepted: AtomicU64::new(0),
+            broken: AtomicU64::new(0),
+            bytes_down: AtomicU64::new(0),
+            bytes_down_at_trip: AtomicU64::new(u64::MAX),
+        }
+    }
+}
+
+/// Sets a proxy's mode from elsewhere (a trip wire on another proxy).
+#[derive(Clone)]
+pub struct Switch(Arc<watch::Sender<Mode>>);
+
+impl Switch {
+    pub fn set(&self, mode: Mode) {
+        self.0.send_replace(mode);
+    }
+}
+
+/// Says whether a chunk fires the trip wire.
+type Fires = Box<dyn Fn(&[u8]) -> bool + Send>;
+
+/// An armed trip wire: which chunk fires it, and the action.
+struct Trip {
+    fires: Fires,
+    action: Box<dyn FnOnce() + Send>,
+}
+
+type TripWire = Arc<Mutex<Option<Trip>>>;
 
 pub struct TcpProxy {
     pub addr: SocketAddr,
-    mode: watch::Sender<Mode>,
+    mode: Arc<watch::Sender<Mode>>,
     counters: Arc<Counters>,
+    trip: TripWire,
     stop: CancellationToken,
 }
 
@@ -69,8 +114,10 @@ impl TcpProxy {
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = watch::channel(Mode::Pass);
         let counters = Arc::new(Counters::default());
+        let trip: TripWire = Arc::default();
         let stop = CancellationToken::new();
         let c = counters.clone();
+        let t = trip.clone();
         let s = stop.clone();
         tokio::spawn(async move {
             loop {
@@ -84,9 +131,10 @@ impl TcpProxy {
                 c.accepted.fetch_add(1, Ordering::Relaxed);
                 let rx = rx.clone();
                 let c = c.clone();
+                let t = t.clone();
                 let s = s.clone();
                 tokio::spawn(async move {
-                    if connection(client, upstream, rx, s).await {
+                    if connection(client, upstream, rx, &c, t, s).await {
                         c.broken.fetch_add(1, Ordering::Relaxed);
                     }
                 });
@@ -94,10 +142,34 @@ impl TcpProxy {
         });
         TcpProxy {
             addr,
-            mode: tx,
+            mode: Arc::new(tx),
             counters,
+            trip,
             stop,
         }
+    }
+
+    /// A handle that sets this proxy's mode (for another proxy's trip wire).
+    pub fn switch(&self) -> Switch {
+        Switch(self.mode.clone())
+    }
+
+    /// Arms a trip wire: the next chunk a client sends for which `fires` says true runs
+    /// `action` first, then is forwarded. One shot; a new call replaces an armed wire.
+    pub fn trip_on_upstream(
+        &self,
+        fires: impl Fn(&[u8]) -> bool + Send + 'static,
+        action: impl FnOnce() + Send + 'static,
+    ) {
+        *self.trip.lock().unwrap() = Some(Trip {
+            fires: Box::new(fires),
+            action: Box::new(action),
+        });
+    }
+
+    /// Disarms the trip wire; true when it was still armed (it never fired).
+    pub fn disarm(&self) -> bool {
+        self.trip.lock().unwrap().take().is_some()
     }
 
     pub fn port(&self) -> u16 {
@@ -116,6 +188,9 @@ impl TcpProxy {
         Stats {
             accepted: self.counters.accepted.load(Ordering::Relaxed),
             broken: self.counters.broken.load(Ordering::Relaxed),
+            bytes_down: self.counters.bytes_down.load(Ordering::SeqCst),
+            bytes_down_at_trip: Some(self.counters.bytes_down_at_trip.load(Ordering::Relaxed))
+                .filter(|b| *b != u64::MAX),
         }
     }
 }
@@ -131,6 +206,8 @@ async fn connection(
     client: TcpStream,
     upstream: SocketAddr,
     mut rx: watch::Receiver<Mode>,
+    counters: &Arc<Counters>,
+    trip: TripWire,
     stop: CancellationToken,
 ) -> bool {
     let mode = *rx.borrow_and_update();
@@ -159,10 +236,49 @@ async fn connection(
     let (sr, sw) = server.into_split();
     // Either pump ending by a fault ends the other one too.
     let done = stop.child_token();
-    let up = tokio::spawn(pump(cr, sw, rx.clone(), done.clone()));
-    let down = tokio::spawn(pump(sr, cw, rx, done));
+    let up = tokio::spawn(pump(
+        cr,
+        sw,
+        rx.clone(),
+        done.clone(),
+        Side::Up(trip, counters.clone()),
+    ));
+    let down = tokio::spawn(pump(sr, cw, rx, done, Side::Down(counters.clone())));
     let (a, b) = (up.await, down.await);
     matches!(a, Ok(true)) || matches!(b, Ok(true))
+}
+
+/// Which way a pump copies, with what that side watches.
+enum Side {
+    /// Client to server: the trip wire (and where to note when it fired).
+    Up(TripWire, Arc<Counters>),
+    /// Server to client: the byte count.
+    Down(Arc<Counters>),
+}
+
+impl Side {
+    /// A chunk was read, before it is queued for forwarding.
+    fn read(&self, chunk: &[u8]) {
+        match self {
+            Side::Up(trip, c) => {
+                let fired = {
+                    let mut t = trip.lock().unwrap();
+                    match &*t {
+                        Some(armed) if (armed.fires)(chunk) => t.take(),
+                        _ => None,
+                    }
+                };
+                if let Some(t) = fired {
+                    let down = c.bytes_down.load(Ordering::SeqCst);
+                    c.bytes_down_at_trip.store(down, Ordering::SeqCst);
+                    (t.action)();
+                }
+            }
+            Side::Down(c) => {
+                c.bytes_down.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+            }
+        }
+    }
 }
 
 /// Copies `src` to `dst` with the current delay until EOF, an error or a fault; true when
@@ -172,6 +288,7 @@ async fn pump(
     mut dst: OwnedWriteHalf,
     mut rx: watch::Receiver<Mode>,
     done: CancellationToken,
+    side: Side,
 ) -> bool {
     let mut queue: VecDeque<(Instant, Vec<u8>)> = VecDeque::new();
     let mut written = 0usize; // of the front chunk
@@ -221,7 +338,10 @@ async fn pump(
             }
             r = src.read(&mut buf), if !eof && queue.len() < MAX_QUEUED => match r {
                 Ok(0) => eof = true,
-                Ok(n) => queue.push_back((Instant::now() + delay, buf[..n].to_vec())),
+                Ok(n) => {
+                    side.read(&buf[..n]);
+                    queue.push_back((Instant::now() + delay, buf[..n].to_vec()));
+                }
                 Err(_) => {
                     done.cancel();
                     return false;
@@ -286,6 +406,34 @@ mod tests {
         written.unwrap();
         assert_eq!(read.unwrap(), data);
         assert_eq!(proxy.stats().accepted, 1);
+    }
+
+    #[tokio::test]
+    async fn a_trip_wire_switches_another_proxy_before_the_chunk_goes_on() {
+        let (a, b) = (
+            TcpProxy::start(echo().await).await,
+            TcpProxy::start(echo().await).await,
+        );
+        let mut s = TcpStream::connect(a.addr).await.unwrap();
+        let (sw, fired) = (b.switch(), Arc::new(AtomicU64::new(0)));
+        let f = fired.clone();
+        a.trip_on_upstream(
+            |chunk| chunk.len() >= 16,
+            move || {
+                sw.set(Mode::Blackhole);
+                f.fetch_add(1, Ordering::SeqCst);
+            },
+        );
+        // Smaller than the wire: forwarded, nothing fires.
+        round_trip(&mut s, b"tiny").await.unwrap();
+        assert_eq!((b.mode(), fired.load(Ordering::SeqCst)), (Mode::Pass, 0));
+        let big = [7u8; 64];
+        assert_eq!(round_trip(&mut s, &big).await.unwrap(), big);
+        assert_eq!(b.mode(), Mode::Blackhole);
+        assert_eq!(fired.load(Ordering::SeqCst), 1);
+        assert!(!a.disarm(), "one shot: the wire is gone once fired");
+        assert_eq!(a.stats().bytes_down, 4 + 64);
+        assert_eq!(a.stats().bytes_down_at_trip, Some(4));
     }
 
     #[tokio::test]

@@ -4,12 +4,11 @@
 //! queue (no confirmed message lost), nothing is lost overall, per-key order holds, and the
 //! relay did all of it without an operator (one process, never restarted).
 //!
-//! The cluster is started by `deploy/cluster/rabbitmq-cluster.sh` with node names, ports
-//! and a data directory of this test's own, and stopped (data deleted) by a guard, also when
-//! the test fails.
+//! The cluster is started by `deploy/cluster/rabbitmq-cluster.sh` (through the testkit's
+//! `rabbitmq` module) with node names, ports and a data directory of this test's own, and
+//! stopped (data deleted) by a guard, also when the test fails.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,90 +22,39 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use outbox_kit::amqp::AmqpTarget;
 use outbox_testkit::checker::{self, Delivery};
+use outbox_testkit::rabbitmq::RabbitNodes;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::process::RelayProcess;
 use crate::support::{TestDb, declare_bound_queue, unique, wait_for, wait_for_explained};
 
-/// Three extra RabbitMQ nodes of this test. Dropping it stops them and deletes their data.
-struct Cluster {
-    script: PathBuf,
-    env: Vec<(String, String)>,
-    ports: Vec<u16>,
-    names: Vec<String>,
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    // Bound together so they differ; released before the nodes bind them.
-    let listeners: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
-}
+/// Three extra RabbitMQ nodes of this test (the testkit's [`RabbitNodes`], which the soak
+/// uses for its own node too); dropping it stops them and deletes their data.
+struct Cluster(RabbitNodes);
 
 impl Cluster {
     async fn start() -> Cluster {
         let pid = std::process::id();
-        let ports = free_ports(6);
-        let names: Vec<String> = ["a", "b", "c"]
-            .iter()
-            .map(|n| format!("outbox-it-{pid}-{n}"))
-            .collect();
-        let env = vec![
-            (
-                "CLUSTER_DIR".to_owned(),
-                std::env::temp_dir()
-                    .join(format!("outbox-it-cluster-{pid}"))
-                    .display()
-                    .to_string(),
-            ),
-            ("CLUSTER_NODES".to_owned(), names.join(" ")),
-            (
-                "CLUSTER_PORTS".to_owned(),
-                format!("{} {} {}", ports[0], ports[1], ports[2]),
-            ),
-            (
-                "CLUSTER_DIST_PORTS".to_owned(),
-                format!("{} {} {}", ports[3], ports[4], ports[5]),
-            ),
-        ];
-        let cluster = Cluster {
-            script: PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("deploy/cluster/rabbitmq-cluster.sh"),
-            env,
-            ports: ports[..3].to_vec(),
-            names,
-        };
-        cluster.run(&["start"]).await;
-        cluster
+        let dir = std::env::temp_dir().join(format!("outbox-it-cluster-{pid}"));
+        Cluster(
+            RabbitNodes::start(
+                &format!("outbox-it-{pid}"),
+                3,
+                &dir,
+                &["rabbitmq_consistent_hash_exchange"],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        )
     }
 
     /// Runs the script; returns its stdout, panics with its stderr when it fails.
     async fn run(&self, args: &[&str]) -> String {
-        let out = tokio::time::timeout(
-            Duration::from_secs(300),
-            tokio::process::Command::new("bash")
-                .arg(&self.script)
-                .args(args)
-                .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-                .output(),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("rabbitmq-cluster.sh {args:?} took over 300 s"))
-        .expect("bash runs");
-        assert!(
-            out.status.success(),
-            "rabbitmq-cluster.sh {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        self.0.run(args).await.unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn url(&self, i: usize) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.ports[i])
+        self.0.url(i)
     }
 
     /// The relay's `--amqp-url`: the three nodes, tried in this order.
@@ -128,21 +76,9 @@ impl Cluster {
     }
 
     fn index(&self, node: &str) -> usize {
-        self.names
-            .iter()
-            .position(|n| node.starts_with(&format!("{n}@")))
+        self.0
+            .index(node)
             .unwrap_or_else(|| panic!("{node} is not a node of this cluster"))
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        // Synchronous: this runs on panics too, possibly outside the runtime.
-        let _ = std::process::Command::new("bash")
-            .arg(&self.script)
-            .args(["stop", "--purge"])
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .status();
     }
 }
 

@@ -1,5 +1,6 @@
-//! The soak's consumer process (`outbox-soak consumer ...`, started by the soak itself): the
-//! consumer kit's runner in ordered mode, with a handler that performs one effect per event
+//! The soak's consumer process (`outbox-soak consumer ...`, started by the soak itself): one
+//! instance of an ordered consumer group (the consumer kit's runner; the instances share
+//! [`PARTITIONS`] partition queues), with a handler that performs one effect per event
 //! through the effects ledger at the fake destination and records the apply in the inbox
 //! transaction (`soak_applied`), so the soak can check both "performed exactly once" and
 //! "applied in seq order, gapless".
@@ -22,6 +23,10 @@ use crate::destination::{self, Remote};
 
 /// The consumer group's name (inbox key) and its queue's prefix.
 pub const GROUP: &str = "soak";
+/// The group's partition queues.
+pub const PARTITIONS: u16 = 8;
+/// An instance that stops renewing its membership loses its partitions after this long.
+pub const MEMBER_LEASE: Duration = Duration::from_secs(6);
 /// How long one destination call may take.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(1);
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -54,10 +59,13 @@ pub fn config(queue: &str, exchange: &str, worker: &str, prefetch: NonZeroU16) -
     let mut cfg = ConsumerConfig::new(GROUP, exchange, &["#"]);
     cfg.queue = queue.to_owned();
     cfg.prefetch = prefetch;
-    // An ordered consumer group on `<queue>.p00` .. `<queue>.p07`.
+    // An ordered consumer group: its instances share the partition queues
+    // `<queue>.p00` .. `<queue>.p07`. A dead-lettered event must have its record; the key
+    // goes on (nothing in the soak should be dead-lettered: the verdict counts them).
     cfg.ordered = Some(Ordered {
+        partitions: NonZeroU16::new(PARTITIONS).expect("non-zero"),
         on_dead: OnDead::Continue,
-        ..Ordered::default()
+        member_lease: MEMBER_LEASE,
     });
     cfg.retry_min = Duration::from_millis(100);
     cfg.retry_max = Duration::from_secs(1);
@@ -69,11 +77,10 @@ pub fn config(queue: &str, exchange: &str, worker: &str, prefetch: NonZeroU16) -
     cfg
 }
 
-/// The partition queues of the soak's consumer group on `queue`.
-pub fn partition_queues(queue: &str) -> Vec<String> {
-    let cfg = config(queue, "unused", "", NonZeroU16::MIN);
-    let partitions = cfg.ordered.as_ref().map_or(0, |o| o.partitions.get());
-    (0..partitions).map(|p| cfg.partition_queue(p)).collect()
+/// The group's partition queues.
+pub fn partition_queues(queue: &str, exchange: &str) -> Vec<String> {
+    let cfg = config(queue, exchange, "-", NonZeroU16::MIN);
+    (0..PARTITIONS).map(|p| cfg.partition_queue(p)).collect()
 }
 
 struct Soak {

@@ -67,8 +67,16 @@ impl Book {
         self.inner.lock().unwrap().deleted.insert(id.to_owned());
     }
 
-    pub fn accepted(&self) -> Vec<Accepted> {
-        self.inner.lock().unwrap().accepted.clone()
+    /// What the destination still holds: accepted and not withdrawn (a worker whose claim
+    /// was taken over while it was sending deletes its item, as the effects ledger says).
+    pub fn live(&self) -> Vec<Accepted> {
+        let inner = self.inner.lock().unwrap();
+        inner
+            .accepted
+            .iter()
+            .filter(|a| !inner.deleted.contains(&a.external_id))
+            .cloned()
+            .collect()
     }
 
     pub fn count(&self) -> usize {

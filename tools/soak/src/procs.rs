@@ -187,11 +187,11 @@ pub async fn rabbitmqctl(node: Option<&str>, args: &[&str]) -> anyhow::Result<St
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Closes, from the broker's side, every connection whose client properties contain
-/// `needle` (a connection name); returns how many.
-pub async fn close_connections(needle: &str) -> anyhow::Result<usize> {
+/// Closes, from the broker's side (`node`, else the machine's), every connection whose
+/// client properties contain `needle` (a connection name); returns how many.
+pub async fn close_connections(node: Option<&str>, needle: &str) -> anyhow::Result<usize> {
     let listing = rabbitmqctl(
-        None,
+        node,
         &[
             "list_connections",
             "-q",
@@ -205,7 +205,7 @@ pub async fn close_connections(needle: &str) -> anyhow::Result<usize> {
     for line in listing.lines().filter(|l| l.contains(needle)) {
         let pid = line.split_whitespace().next().unwrap_or_default();
         // The connection may have gone meanwhile: that is not a failure of the fault.
-        if rabbitmqctl(None, &["close_connection", pid, "closed by outbox-soak"])
+        if rabbitmqctl(node, &["close_connection", pid, "closed by outbox-soak"])
             .await
             .is_ok()
         {

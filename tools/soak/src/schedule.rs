@@ -4,8 +4,11 @@
 //!
 //! The first faults are one of each kind in a seeded order, so even a short run injects
 //! every kind; after that kinds are drawn at random. Faults overlap in time, but never two
-//! on the same process at once (a relay being killed is not also paused), and every fault
-//! ends before the run's duration does: the quiet period starts with a healed system.
+//! on the same process at once (a relay being killed is not also paused), a service is not
+//! restarted while a fault that needs it (to inject or to observe) runs, nor such a fault
+//! started while its service is down; every fault ends before the run's duration does:
+//! the quiet period starts with a healed system. Restarts of Postgres and RabbitMQ are
+//! drawn only when the soak runs its own services.
 
 use std::fmt;
 use std::time::Duration;
@@ -31,7 +34,7 @@ impl fmt::Display for Target {
 }
 
 /// Which connection of a process a proxy fault hits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Service {
     Postgres,
@@ -73,6 +76,23 @@ pub enum Fault {
     CrashConsumer { consumer: usize },
     /// Copies of `count` already dispatched events published straight to the exchange.
     Duplicates { count: usize },
+    /// The relay's Postgres proxy goes dark the instant its AMQP proxy carries a publish:
+    /// the broker acks, the mark cannot go out; once the tap has the rows and the ack has
+    /// come back, SIGKILL; restart after `down_ms`.
+    KillBetweenAckAndMark { relay: usize, down_ms: u64 },
+    /// SIGKILL of a consumer group instance, down for `down_ms`, then a new one.
+    KillConsumer { consumer: usize, down_ms: u64 },
+    /// SIGSTOP of a consumer group instance for `pause_ms` (past its member lease, so the
+    /// others take its partitions over), then SIGCONT.
+    PauseConsumer { consumer: usize, pause_ms: u64 },
+    /// Every instance of the group stopped (SIGTERM) for `stop_ms`, then started again: the
+    /// queues build a backlog of `stop_ms` of production.
+    StopConsumers { stop_ms: u64 },
+    /// The soak's own Postgres server stopped (fast, or immediate as in a crash), down for
+    /// `down_ms`, started again.
+    RestartPostgres { down_ms: u64, immediate: bool },
+    /// The soak's own RabbitMQ node stopped, down for `down_ms`, started again.
+    RestartRabbitmq { down_ms: u64 },
 }
 
 impl Fault {
@@ -86,8 +106,54 @@ impl Fault {
             | Fault::Delay { target, .. }
             | Fault::Reset { target, .. }
             | Fault::TerminatePg { target } => Some(*target),
-            Fault::CrashConsumer { consumer } => Some(Target::Consumer(*consumer)),
-            Fault::Duplicates { .. } => None,
+            Fault::CrashConsumer { consumer }
+            | Fault::KillConsumer { consumer, .. }
+            | Fault::PauseConsumer { consumer, .. } => Some(Target::Consumer(*consumer)),
+            Fault::KillBetweenAckAndMark { relay, .. } => Some(Target::Relay(*relay)),
+            Fault::Duplicates { .. }
+            | Fault::StopConsumers { .. }
+            | Fault::RestartPostgres { .. }
+            | Fault::RestartRabbitmq { .. } => None,
+        }
+    }
+
+    /// The processes the fault holds: its target, or every consumer instance.
+    pub fn holds(&self, consumers: usize) -> Vec<Target> {
+        match self {
+            Fault::StopConsumers { .. } => (0..consumers).map(Target::Consumer).collect(),
+            _ => self.target().into_iter().collect(),
+        }
+    }
+
+    /// The service the fault restarts.
+    pub fn restarts(&self) -> Option<Service> {
+        match self {
+            Fault::RestartPostgres { .. } => Some(Service::Postgres),
+            Fault::RestartRabbitmq { .. } => Some(Service::Rabbitmq),
+            _ => None,
+        }
+    }
+
+    /// The services the soak itself needs up to inject or observe the fault.
+    pub fn needs(&self) -> &'static [Service] {
+        match self {
+            Fault::TerminatePg { .. } => &[Service::Postgres],
+            Fault::CloseAmqp { .. } => &[Service::Rabbitmq],
+            Fault::Duplicates { .. }
+            | Fault::KillBetweenAckAndMark { .. }
+            | Fault::CrashConsumer { .. } => &[Service::Postgres, Service::Rabbitmq],
+            _ => &[],
+        }
+    }
+
+    /// How many relays the fault can make publish again what they published but had not
+    /// marked (the duplicates the relays themselves cause): it loses their acks, marks or
+    /// leases.
+    pub fn relays_hit(&self, relays: usize) -> usize {
+        match self {
+            Fault::RestartPostgres { .. } | Fault::RestartRabbitmq { .. } => relays,
+            _ if matches!(self.target(), Some(Target::Relay(_))) => 1,
+            _ => 0,
         }
     }
 
@@ -103,13 +169,19 @@ impl Fault {
             Fault::CloseAmqp { .. } => 3_000,
             Fault::CrashConsumer { .. } => 3_000,
             Fault::TerminatePg { .. } | Fault::Duplicates { .. } => 500,
+            Fault::KillConsumer { down_ms, .. } => *down_ms,
+            Fault::PauseConsumer { pause_ms, .. } => *pause_ms,
+            // The instances' clean stop, then the outage.
+            Fault::StopConsumers { stop_ms } => 5_000 + *stop_ms,
+            // Waiting for a publish, the tap and the ack, then the restart.
+            Fault::KillBetweenAckAndMark { down_ms, .. } => 3_000 + *down_ms,
+            // Stop and start take seconds of their own (measured on the 2-core machine:
+            // Postgres about 1 s; a RabbitMQ node 4 s to stop and 9 s to start idle, up to
+            // 30 s in all under the soak's load). The soak holds faults that need a service
+            // until its restart is over, whatever the plan said.
+            Fault::RestartPostgres { down_ms, .. } => 3_000 + *down_ms,
+            Fault::RestartRabbitmq { down_ms } => 20_000 + *down_ms,
         })
-    }
-
-    /// Whether the fault can make a relay publish a row again (a duplicate the relay
-    /// itself causes): it loses a relay's acks, marks or lease.
-    pub fn hits_a_relay(&self) -> bool {
-        matches!(self.target(), Some(Target::Relay(_)))
     }
 }
 
@@ -154,6 +226,35 @@ impl fmt::Display for Fault {
             Fault::Duplicates { count } => {
                 write!(f, "publish copies of {count} dispatched events")
             }
+            Fault::KillBetweenAckAndMark { relay, down_ms } => write!(
+                f,
+                "SIGKILL relay {relay} between the broker's ack and its mark, restart after {}",
+                s(down_ms)
+            ),
+            Fault::KillConsumer { consumer, down_ms } => write!(
+                f,
+                "SIGKILL consumer {consumer}, restart after {}",
+                s(down_ms)
+            ),
+            Fault::PauseConsumer { consumer, pause_ms } => write!(
+                f,
+                "SIGSTOP consumer {consumer} for {}, then SIGCONT",
+                s(pause_ms)
+            ),
+            Fault::StopConsumers { stop_ms } => write!(
+                f,
+                "stop every consumer instance for {} (a backlog), then start them",
+                s(stop_ms)
+            ),
+            Fault::RestartPostgres { down_ms, immediate } => write!(
+                f,
+                "restart Postgres ({} stop, down {})",
+                if *immediate { "immediate" } else { "fast" },
+                s(down_ms)
+            ),
+            Fault::RestartRabbitmq { down_ms } => {
+                write!(f, "restart the RabbitMQ node (down {})", s(down_ms))
+            }
         }
     }
 }
@@ -174,9 +275,19 @@ pub struct Shape {
     pub consumers: usize,
     /// The relays' `--lease`: a pause must outlast the takeover time (lease + lease/3).
     pub lease: Duration,
+    /// The soak runs its own Postgres and RabbitMQ: it may restart them.
+    pub own_services: bool,
+    /// The longest outage of every consumer instance (zero: none); drawn between half of it
+    /// and all of it.
+    pub backlog: Duration,
+    /// The consumers' member lease: a pause of an instance outlasts it.
+    pub member_lease: Duration,
 }
 
-const KINDS: usize = 10;
+/// Kinds of fault: 0-13 always (13 only with a backlog), 14-15 with the soak's own services.
+const KINDS: usize = 16;
+const STOP_CONSUMERS: usize = 13;
+const RESTARTS: [usize; 2] = [14, 15];
 
 /// Seconds before the first fault: relays and consumers are up and the stream flows.
 const WARMUP_MS: u64 = 5_000;
@@ -187,20 +298,34 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
     let mut rng = Rng::new(seed).fork(1);
     let end = shape.duration.as_millis() as u64;
     let lease = shape.lease.as_millis() as u64;
+    let kinds: Vec<usize> = (0..KINDS)
+        .filter(|k| shape.own_services || !RESTARTS.contains(k))
+        .filter(|k| !shape.backlog.is_zero() || *k != STOP_CONSUMERS)
+        .collect();
+    let backlog = shape.backlog.as_millis() as u64;
+    let member_lease = shape.member_lease.as_millis() as u64;
     let mut busy_until: std::collections::HashMap<Target, u64> = Default::default();
-    let mut first: Vec<usize> = (0..KINDS).collect();
+    // Per service: until when it is down (restarted), and until when a fault needs it.
+    let mut down_until: std::collections::HashMap<Service, u64> = Default::default();
+    let mut needed_until: std::collections::HashMap<Service, u64> = Default::default();
+    let mut first = kinds.clone();
     rng.shuffle(&mut first);
     let mut next_kind = first.into_iter();
     let mut plan = Vec::new();
     let mut at = WARMUP_MS;
-    // A kind that did not fit where it was drawn is tried again at the next slot, so the
-    // first round still brings every kind.
-    let mut pending: Option<usize> = None;
+    // A kind that could not go where it was drawn (its process or service busy) is tried
+    // again at the next slot, so the first round still brings every kind; meanwhile up to
+    // two other kinds are tried in the same slot, so a busy service does not stall the rest.
+    let mut deferred: std::collections::VecDeque<usize> = Default::default();
+    let mut tries = 0;
     while at + TAIL_MS + 500 < end {
-        let kind = pending
-            .take()
-            .or_else(|| next_kind.next())
-            .unwrap_or_else(|| rng.below(KINDS as u64) as usize);
+        let kind = (if tries == 0 {
+            deferred.pop_front()
+        } else {
+            None
+        })
+        .or_else(|| next_kind.next())
+        .unwrap_or_else(|| kinds[rng.below(kinds.len() as u64) as usize]);
         let relay = rng.below(shape.relays as u64) as usize;
         let consumer = rng.below(shape.consumers as u64) as usize;
         let any = if rng.chance(0.6) {
@@ -247,25 +372,70 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
             },
             7 => Fault::TerminatePg { target: any },
             8 => Fault::CrashConsumer { consumer },
-            _ => Fault::Duplicates {
+            9 => Fault::Duplicates {
                 count: rng.range(20, 120) as usize,
+            },
+            10 => Fault::KillBetweenAckAndMark {
+                relay,
+                down_ms: rng.range(300, 2_000),
+            },
+            11 => Fault::KillConsumer {
+                consumer,
+                down_ms: rng.range(300, 3_000),
+            },
+            12 => Fault::PauseConsumer {
+                consumer,
+                // Past the member lease, by up to three seconds more.
+                pause_ms: member_lease + rng.range(1_000, 3_000),
+            },
+            STOP_CONSUMERS => Fault::StopConsumers {
+                stop_ms: rng.range(backlog / 2, backlog.max(2)),
+            },
+            14 => Fault::RestartPostgres {
+                down_ms: rng.range(500, 5_000),
+                immediate: rng.chance(0.5),
+            },
+            _ => Fault::RestartRabbitmq {
+                down_ms: rng.range(500, 5_000),
             },
         };
         let length = fault.length().as_millis() as u64;
         let gap = rng.range(1_500, 4_500);
         if at + length + TAIL_MS > end {
-            pending = Some(kind);
+            // Too long for what is left of the run: the next kinds may still fit.
+            tries = 0;
             at += gap / 2;
             continue;
         }
-        if let Some(t) = fault.target() {
-            if busy_until.get(&t).is_some_and(|until| *until > at) {
-                pending = Some(kind);
-                at += gap / 2;
-                continue;
+        let until = |m: Option<&u64>| m.is_some_and(|u| *u > at);
+        let holds = fault.holds(shape.consumers);
+        let blocked = holds.iter().any(|t| until(busy_until.get(t)))
+            || fault.needs().iter().any(|s| until(down_until.get(s)))
+            || fault
+                .restarts()
+                .is_some_and(|s| until(down_until.get(&s)) || until(needed_until.get(&s)));
+        if blocked {
+            if !deferred.contains(&kind) {
+                deferred.push_back(kind);
             }
-            // A second apart at least, so each fault's effect is its own.
+            tries += 1;
+            if tries == 3 {
+                tries = 0;
+                at += gap / 2;
+            }
+            continue;
+        }
+        tries = 0;
+        // A second apart at least, so each fault's effect is its own.
+        for t in holds {
             busy_until.insert(t, at + length + 1_000);
+        }
+        for s in fault.needs() {
+            let until = needed_until.entry(*s).or_default();
+            *until = (*until).max(at + length + 1_000);
+        }
+        if let Some(s) = fault.restarts() {
+            down_until.insert(s, at + length + 1_000);
         }
         plan.push(Planned { at_ms: at, fault });
         at += gap;
@@ -283,6 +453,9 @@ mod tests {
             relays: 3,
             consumers: 2,
             lease: Duration::from_secs(3),
+            own_services: true,
+            backlog: Duration::from_secs(10),
+            member_lease: Duration::from_secs(6),
         }
     }
 
@@ -300,7 +473,7 @@ mod tests {
             for p in &plan {
                 let end = p.at_ms + p.fault.length().as_millis() as u64;
                 assert!(end + TAIL_MS <= 90_000, "seed {seed}: {p:?}");
-                if let Some(t) = p.fault.target() {
+                for t in p.fault.holds(2) {
                     assert!(
                         until.get(&t).is_none_or(|u| *u <= p.at_ms),
                         "seed {seed}: {p:?}"
@@ -312,16 +485,44 @@ mod tests {
     }
 
     #[test]
-    fn a_minute_injects_every_kind_and_pauses_outlast_the_takeover() {
-        let plan = draw(7, &shape(60));
+    fn no_service_restarts_while_a_fault_needs_it_nor_on_shared_services() {
+        for seed in 0..50 {
+            let plan = draw(seed, &shape(120));
+            for r in plan.iter().filter(|p| p.fault.restarts().is_some()) {
+                let s = r.fault.restarts().unwrap();
+                let (r0, r1) = (r.at_ms, r.at_ms + r.fault.length().as_millis() as u64);
+                for p in plan.iter().filter(|p| p.fault.needs().contains(&s)) {
+                    let (p0, p1) = (p.at_ms, p.at_ms + p.fault.length().as_millis() as u64);
+                    assert!(p1 <= r0 || r1 <= p0, "seed {seed}: {r:?} overlaps {p:?}");
+                }
+            }
+            let shared = Shape {
+                own_services: false,
+                ..shape(120)
+            };
+            assert!(
+                draw(seed, &shared)
+                    .iter()
+                    .all(|p| p.fault.restarts().is_none())
+            );
+        }
+    }
+
+    #[test]
+    fn two_minutes_inject_every_kind_and_pauses_outlast_the_takeover() {
+        let plan = draw(7, &shape(120));
         let kinds: std::collections::HashSet<_> = plan
             .iter()
             .map(|p| std::mem::discriminant(&p.fault))
             .collect();
-        assert_eq!(kinds.len(), 9, "{plan:#?}");
+        // Sixteen kinds; the two `CloseAmqp` (relay, consumer) share a variant.
+        assert_eq!(kinds.len(), 15, "{plan:#?}");
         for p in &plan {
             if let Fault::PauseRelay { pause_ms, .. } = p.fault {
                 assert!(pause_ms > 4_000);
+            }
+            if let Fault::PauseConsumer { pause_ms, .. } = p.fault {
+                assert!(pause_ms > 6_000, "past the member lease");
             }
         }
     }

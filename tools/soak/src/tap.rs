@@ -4,7 +4,9 @@
 //! straight to the exchange, as a misbehaving producer or a replay would.
 //!
 //! Both use their own connections, direct to the broker: they observe and inject, they are
-//! not under test.
+//! not under test. The tap's queue is durable and the tap connects again when its
+//! connection is lost, so a broker restart costs it nothing (it may see a message twice:
+//! a duplicate, never a loss).
 
 use std::sync::{Arc, Mutex};
 
@@ -22,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 
 pub struct Tap {
     pub received: Arc<Mutex<Vec<Delivery>>>,
-    conn: Connection,
     stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
 }
 
 /// Declares the exchange as the relay does (durable topic), so the tap can bind before the
@@ -44,61 +46,116 @@ pub async fn declare_exchange(conn: &Connection, exchange: &str) -> anyhow::Resu
     Ok(())
 }
 
+/// The tap queue's arguments: it deletes itself when nothing has used it for ten minutes
+/// (a soak that was itself killed leaves nothing behind on a shared broker; a tap that
+/// reconnects after a broker restart is back within seconds).
+fn tap_queue_args() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-expires"), AMQPValue::LongInt(600_000));
+    args
+}
+
+/// Connects, declares and binds the tap queue, and consumes it; returns the consumer and
+/// the connection it lives on.
+async fn subscribe(
+    amqp: &AmqpTarget,
+    exchange: &str,
+    queue: &str,
+) -> anyhow::Result<(Connection, lapin::Consumer)> {
+    let conn = amqp.connect("outbox-soak-tap").await?;
+    declare_exchange(&conn, exchange).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(TAP_PREFETCH, BasicQosOptions::default())
+        .await?;
+    // Durable, so it keeps what was routed to it across a restart of the broker (which
+    // the soak injects on its own node) and across the tap's reconnects.
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        tap_queue_args(),
+    )
+    .await?;
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    let consumer = ch
+        .basic_consume(
+            queue.into(),
+            "tap".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((conn, consumer))
+}
+
+/// Messages the tap holds unacked at most: what a broker restart can deliver to it twice.
+pub const TAP_PREFETCH: u16 = 1000;
+
 impl Tap {
+    /// Binds the tap queue (the first time directly, so nothing routed after this returns
+    /// is missed), then consumes it, connecting again whenever the connection is lost.
     pub async fn start(amqp: &AmqpTarget, exchange: &str, queue: &str) -> anyhow::Result<Tap> {
-        let conn = amqp.connect("outbox-soak-tap").await?;
-        declare_exchange(&conn, exchange).await?;
-        let ch = conn.create_channel().await?;
-        ch.basic_qos(1000, BasicQosOptions::default()).await?;
-        // Exclusive: it goes with the soak's connection, whatever happens to the soak.
-        ch.queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-        ch.queue_bind(
-            queue.into(),
-            exchange.into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-        let mut consumer = ch
-            .basic_consume(
-                queue.into(),
-                "tap".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        let first = subscribe(amqp, exchange, queue).await?;
         let received: Arc<Mutex<Vec<Delivery>>> = Arc::default();
         let stop = CancellationToken::new();
         let (sink, s) = (received.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let d = tokio::select! {
-                    _ = s.cancelled() => return,
-                    d = consumer.next() => d,
+        let (amqp, exchange, queue) = (amqp.clone(), exchange.to_owned(), queue.to_owned());
+        let task = tokio::spawn(async move {
+            let mut session = Some(first);
+            while !s.is_cancelled() {
+                let (conn, mut consumer) = match session.take() {
+                    Some(c) => c,
+                    None => match subscribe(&amqp, &exchange, &queue).await {
+                        Ok(c) => c,
+                        Err(_) => {
+                            tokio::select! {
+                                _ = s.cancelled() => return,
+                                _ = tokio::time::sleep(std::time::Duration::from_millis(300)) => continue,
+                            }
+                        }
+                    },
                 };
-                let Some(Ok(d)) = d else {
-                    eprintln!("soak: the tap's consumer ended; deliveries after this are not seen");
-                    return;
-                };
-                sink.lock()
-                    .unwrap()
-                    .push(Delivery::from_amqp(&d.properties));
-                let _ = d.ack(BasicAckOptions::default()).await;
+                let mut check = tokio::time::interval(std::time::Duration::from_millis(500));
+                loop {
+                    let d = tokio::select! {
+                        _ = s.cancelled() => {
+                            let _ = conn.close(200, "soak done".into()).await;
+                            return;
+                        }
+                        d = consumer.next() => d,
+                        // A consumer stream does not always end when its connection does
+                        // (a tap stuck after broker restarts was seen): watch the
+                        // connection itself.
+                        _ = check.tick() => {
+                            if conn.status().connected() {
+                                continue;
+                            }
+                            break;
+                        }
+                    };
+                    // The connection went (a broker restart, a closed connection): what was
+                    // not acked comes again on the next one.
+                    let Some(Ok(d)) = d else { break };
+                    sink.lock()
+                        .unwrap()
+                        .push(Delivery::from_amqp(&d.properties));
+                    let _ = d.ack(BasicAckOptions::default()).await;
+                }
             }
         });
         Ok(Tap {
             received,
-            conn,
             stop,
+            task,
         })
     }
 
@@ -110,9 +167,24 @@ impl Tap {
         self.received.lock().unwrap().clone()
     }
 
-    pub async fn stop(self) {
+    /// Event ids delivered from position `from` on (positions are [`Tap::count`]s).
+    pub fn ids_since(&self, from: usize) -> Vec<String> {
+        let r = self.received.lock().unwrap();
+        r.get(from..)
+            .unwrap_or_default()
+            .iter()
+            .map(|d| d.event_id.clone())
+            .collect()
+    }
+
+    pub async fn stop(&self) {
         self.stop.cancel();
-        let _ = self.conn.close(200, "soak done".into()).await;
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            while !self.task.is_finished() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        })
+        .await;
     }
 }
 

@@ -43,6 +43,9 @@ async fn soak(seed: u64, duration: &str, extra: &[&str]) -> Outcome {
         "4".to_owned(),
         "--drain-timeout".to_owned(),
         "120s".to_owned(),
+        // Every consumer instance stopped for 5-10 s: a backlog that fits 45 s.
+        "--backlog".to_owned(),
+        "10s".to_owned(),
         "--work-dir".to_owned(),
         work.display().to_string(),
         // The relay cargo built for this test binary (the soak would otherwise look next
@@ -93,16 +96,24 @@ fn verdict_line(stdout: &str) -> &str {
 async fn the_same_seed_draws_the_same_fault_schedule() {
     async fn schedule(seed: &str) -> String {
         let out = tokio::process::Command::new(soak_bin())
-            .args(["--schedule-only", "--seed", seed, "--duration", "90s"])
+            .args([
+                "--schedule-only",
+                "--seed",
+                seed,
+                "--duration",
+                "90s",
+                "--backlog",
+                "10s",
+            ])
             .output()
             .await
             .unwrap();
         assert!(out.status.success());
         String::from_utf8(out.stdout).unwrap()
     }
-    let a = schedule("11").await;
-    assert_eq!(a, schedule("11").await);
-    assert_ne!(a, schedule("12").await);
+    let a = schedule("13").await;
+    assert_eq!(a, schedule("13").await);
+    assert_ne!(a, schedule("14").await);
     for kind in [
         "SIGKILL relay",
         "SIGSTOP relay",
@@ -114,16 +125,25 @@ async fn the_same_seed_draws_the_same_fault_schedule() {
         "pg_terminate_backend",
         "SIGKILL consumer",
         "publish copies",
+        "between the broker's ack and its mark",
+        "restart Postgres",
+        "restart the RabbitMQ node",
+        "SIGSTOP consumer",
+        "(a backlog)",
     ] {
-        assert!(a.contains(kind), "90 s of seed 11 injects '{kind}':\n{a}");
+        assert!(a.contains(kind), "90 s of seed 13 injects '{kind}':\n{a}");
     }
 }
 
-/// Two fixed seeds, 45 s of faults each, then the quiet period and the checker.
+/// Two fixed seeds, 45 s of faults each, then the quiet period and the checker, each on a
+/// private Postgres server and RabbitMQ node of its own, with three instances of one
+/// ordered consumer group: both restart Postgres, kill a relay between the broker's ack and
+/// its mark and stop every consumer instance for a while (a backlog); seed 21 SIGSTOPs an
+/// instance past its member lease, seed 38 restarts the RabbitMQ node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounded_soak_with_fixed_seeds_passes() {
     let _one = ONE_AT_A_TIME.lock().await;
-    for seed in [11, 12] {
+    for seed in [21, 38] {
         let o = soak(seed, "45s", &[]).await;
         let line = verdict_line(&o.stdout);
         println!("{line}");
@@ -156,6 +176,41 @@ async fn bounded_soak_with_fixed_seeds_passes() {
                 .filter(|f| f["injected"] == true)
                 .all(|f| f["recovery_ms"].is_i64()),
             "a recovery time for every injected fault"
+        );
+        for kind in [
+            "restart_postgres",
+            "kill_between_ack_and_mark",
+            "stop_consumers",
+        ]
+        .iter()
+        .chain(if seed == 38 {
+            &["restart_rabbitmq"][..]
+        } else {
+            &["pause_consumer"][..]
+        }) {
+            assert!(
+                faults
+                    .iter()
+                    .any(|f| f["kind"] == *kind && f["injected"] == true),
+                "seed {seed} injects {kind}: {line}"
+            );
+        }
+        let caught = &r["between_ack_and_mark"];
+        assert!(caught["rows"].as_u64().unwrap() > 0, "{line}");
+        assert_eq!(caught["published_again"], caught["rows"], "{line}");
+        let group = &r["groups"][0];
+        assert_eq!(group["instances"], 3, "{line}");
+        assert_eq!(group["gaps_given_up"], 0, "{line}");
+        assert_eq!(group["held_at_the_end"], 0, "{line}");
+        assert_eq!(
+            group["seqs_strictly_increasing_none_skipped"], true,
+            "{line}"
+        );
+        assert_eq!(
+            group["applied_once"].as_u64().unwrap()
+                + group["dead_lettered_with_record"].as_u64().unwrap(),
+            group["routed"].as_u64().unwrap(),
+            "every event routed to the group applied once or dead-lettered with a record: {line}"
         );
     }
 }

@@ -20,7 +20,7 @@ use crate::procs::wait_until;
 use crate::producer::{self, Load, now_ms};
 use crate::rng::Rng;
 use crate::schedule::{Planned, Shape};
-use crate::tap::{self, Tap};
+use crate::tap;
 
 use super::RunArgs;
 use super::faults::{self, World};
@@ -33,11 +33,11 @@ pub(super) async fn drive(
     shape: &Shape,
     plan: Vec<Planned>,
     world: &Arc<World>,
-    client: &Client,
-    tap: &Tap,
+    client: Client,
     queue: &str,
     work: &std::path::Path,
 ) -> anyhow::Result<bool> {
+    let tap = &world.tap;
     for slot in world.relays.iter().chain(&world.consumers) {
         slot.start().await?;
     }
@@ -57,27 +57,46 @@ pub(super) async fn drive(
         "the relays did not take the 64 partitions within 60 s; see {}",
         work.display()
     );
+    // Every instance is a live member of the group and every partition queue is consumed.
+    let partition_queues = consumer::partition_queues(queue, &world.exchange);
     let consuming = wait_until(
         Duration::from_secs(60),
         Duration::from_millis(300),
         || async {
-            // The consumers form an ordered group: every partition queue has its owner.
-            let mut all = true;
-            for p in crate::consumer::partition_queues(queue) {
-                all &= queue_depth(&world.amqp, &p)
-                    .await
-                    .is_some_and(|(_, consumers)| consumers >= 1);
+            let members: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_consumer_members WHERE consumer = $1 AND lease_until > now()",
+                    &[&consumer::GROUP],
+                )
+                .await
+                .map_or(0, |r| r.get(0));
+            if (members as usize) < world.consumers.len() {
+                return false;
             }
-            all
+            for q in &partition_queues {
+                if queue_depth(&world.amqp, q)
+                    .await
+                    .is_none_or(|(_, consumers)| consumers == 0)
+                {
+                    return false;
+                }
+            }
+            true
         },
     )
     .await;
     anyhow::ensure!(
         consuming,
-        "the consumers did not start consuming {queue} within 60 s; see {}",
+        "the consumer group did not have {} members consuming its {} partition queues within 60 s; see {}",
+        world.consumers.len(),
+        partition_queues.len(),
         work.display()
     );
-    println!("relays hold the partitions, consumers consume; producing");
+    println!(
+        "relays hold the partitions, {} consumer instances share the group's {} partitions; producing",
+        world.consumers.len(),
+        partition_queues.len()
+    );
 
     // Producers.
     let stop_producing = CancellationToken::new();
@@ -181,6 +200,32 @@ pub(super) async fn drive(
         let _ = tokio::time::timeout(Duration::from_secs(60), f).await;
     }
     world.heal().await?;
+    // A restart of Postgres ended the first connection; this one sees the quiet period.
+    let client = if client.is_closed() || client.simple_query("SELECT 1").await.is_err() {
+        let fresh = wait_until(
+            Duration::from_secs(60),
+            Duration::from_millis(500),
+            || async {
+                world
+                    .target
+                    .connect(&Schema::default(), "outbox-soak")
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        anyhow::ensure!(
+            fresh,
+            "no connection to Postgres within 60 s after the faults"
+        );
+        world
+            .target
+            .connect(&Schema::default(), "outbox-soak")
+            .await?
+    } else {
+        client
+    };
+    let client = &client;
     stop_producing.cancel();
     for p in producers {
         let _ = p.await;
@@ -193,7 +238,7 @@ pub(super) async fn drive(
     );
 
     // The quiet period: wait until everything committed is dispatched, seen by the tap,
-    // applied once, and its effect is sent.
+    // applied once (or dead-lettered with a record), and its effect is sent.
     let committed_ids: HashSet<String> = produced
         .lock()
         .unwrap()
@@ -205,9 +250,11 @@ pub(super) async fn drive(
         let Ok(r) = client
             .query_one(
                 "SELECT (SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL AND parked_at IS NULL),
-                        (SELECT count(DISTINCT event_id) FROM soak_applied),
+                        (SELECT count(*) FROM (SELECT event_id FROM soak_applied
+                                                UNION SELECT event_id FROM outbox_inbox
+                                                       WHERE consumer = $1 AND outcome = 'dead') h),
                         (SELECT count(*) FROM outbox_effects WHERE state <> 'sent')",
-                &[],
+                &[&consumer::GROUP],
             )
             .await
         else {
@@ -257,7 +304,6 @@ pub(super) async fn drive(
         args,
         world,
         client,
-        tap,
         queue,
         records,
         produced,

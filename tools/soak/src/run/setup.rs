@@ -20,9 +20,9 @@ use crate::procs::Slot;
 use crate::schedule::{Planned, Service, Shape, Target};
 use crate::tap::Tap;
 
-use super::RunArgs;
 use super::drive::drive;
 use super::faults::World;
+use super::{Own, RunArgs};
 
 pub(super) struct Proxies {
     relay_pg: Vec<TcpProxy>,
@@ -146,9 +146,12 @@ pub(super) async fn soak(
     work: &std::path::Path,
     relay_bin: &std::path::Path,
     exe: &std::path::Path,
+    own: Option<Arc<Own>>,
 ) -> anyhow::Result<bool> {
     let schema = Schema::default();
     let mut client = target.connect(&schema, "outbox-soak").await?;
+    // (`client` goes to `drive`, which connects again after the faults: a restart of
+    // Postgres ends this one.)
     outbox_kit::schema::migrate(&mut client, &schema).await?;
     client.batch_execute(consumer::SOAK_TABLES).await?;
 
@@ -172,7 +175,8 @@ pub(super) async fn soak(
         proxies.consumer_amqp.push(TcpProxy::start(up.amqp).await);
     }
     let (dest_addr, book, mut crashed) = destination::start().await;
-    let tap = Tap::start(&amqp, &exchange, &format!("soak.{tag}.tap")).await?;
+    let tap_queue = format!("soak.{tag}.tap");
+    let tap = Tap::start(&amqp, &exchange, &tap_queue).await?;
 
     let lease = humantime::format_duration(args.lease).to_string();
     let relays: Vec<Slot> = (0..args.relays)
@@ -273,6 +277,7 @@ pub(super) async fn soak(
     let world = Arc::new(World {
         db_name: db_name.to_owned(),
         exchange: exchange.clone(),
+        queue: queue.clone(),
         amqp: amqp.clone(),
         target: target.clone(),
         relays,
@@ -282,6 +287,11 @@ pub(super) async fn soak(
         crash_points: (0..args.consumers).map(|_| Notify::new()).collect(),
         host: hostname(),
         injected_copies: Mutex::new(0),
+        rabbit_node: own.as_ref().map(|o| o.rabbit.node(0)),
+        own,
+        tap,
+        ack_not_marked: Mutex::default(),
+        gates: Default::default(),
     });
     {
         let w = world.clone();
@@ -293,25 +303,25 @@ pub(super) async fn soak(
             }
         });
     }
-    let result = drive(args, shape, plan, &world, &client, &tap, &queue, work).await;
+    let result = drive(args, shape, plan, &world, client, &queue, work).await;
     // Whatever happened, nothing of ours keeps running.
     for slot in world.relays.iter().chain(&world.consumers) {
         slot.kill().await;
     }
-    if !args.keep {
-        cleanup_broker(&amqp, &exchange, &queue).await;
+    world.tap.stop().await;
+    if !args.keep && world.own.is_none() {
+        cleanup_broker(&amqp, &exchange, &queue, &tap_queue).await;
     }
-    tap.stop().await;
     result
 }
 
-async fn cleanup_broker(amqp: &AmqpTarget, exchange: &str, queue: &str) {
+async fn cleanup_broker(amqp: &AmqpTarget, exchange: &str, queue: &str, tap: &str) {
     let Ok(conn) = amqp.connect("outbox-soak-cleanup").await else {
         return;
     };
     if let Ok(ch) = conn.create_channel().await {
-        let mut queues = vec![queue.to_owned(), format!("{queue}.dlq")];
-        queues.extend(crate::consumer::partition_queues(queue));
+        let mut queues = vec![queue.to_owned(), format!("{queue}.dlq"), tap.to_owned()];
+        queues.extend(consumer::partition_queues(queue, exchange));
         for ms in [100, 200, 400, 800, 1000] {
             queues.push(format!("{queue}.retry.{ms}ms"));
         }

@@ -10,7 +10,8 @@ use tokio_postgres::Client;
 
 use crate::consumer;
 use crate::producer;
-use crate::tap::Tap;
+use crate::schedule::Fault;
+use crate::tap::TAP_PREFETCH;
 
 use super::faults::World;
 use super::setup::queue_depth;
@@ -36,7 +37,6 @@ pub(super) async fn check(
     args: &RunArgs,
     world: &World,
     client: &Client,
-    tap: &Tap,
     queue: &str,
     mut records: Vec<FaultRecord>,
     produced: producer::Ledger,
@@ -67,8 +67,21 @@ pub(super) async fn check(
     let (parked, pending): (i64, i64) = (counts.get(0), counts.get(1));
 
     // Deliveries at the broker.
-    let deliveries = tap.deliveries();
+    let deliveries = world.tap.deliveries();
     let delivery = checker::check(&committed_uuids, &deliveries);
+
+    // Rows acked and not marked when their relay was killed: each must have been published
+    // again (by whoever took the partition), never only once.
+    let mut times_delivered: HashMap<&str, usize> = HashMap::new();
+    for d in &deliveries {
+        *times_delivered.entry(d.event_id.as_str()).or_default() += 1;
+    }
+    let ack_not_marked = world.ack_not_marked.lock().unwrap().clone();
+    let not_published_again: Vec<String> = ack_not_marked
+        .iter()
+        .map(|id| id.to_string())
+        .filter(|id| times_delivered.get(id.as_str()).copied().unwrap_or(0) < 2)
+        .collect();
 
     // Applies, in the order the consumers applied them.
     let rows = client
@@ -100,7 +113,33 @@ pub(super) async fn check(
             )
         })
         .collect();
-    let applied_report = checker::check_applied(&committed_keys, &applied);
+    // The group's own records: events it dead-lettered (each with its record in the
+    // inbox), gaps it gave up on or jumped over, events of blocked keys it holds.
+    let dead: Vec<(String, (String, String), i64)> = client
+        .query(
+            "SELECT event_id, aggregate_type, aggregate_id, seq FROM outbox_inbox
+              WHERE consumer = $1 AND outcome = 'dead'",
+            &[&consumer::GROUP],
+        )
+        .await?
+        .iter()
+        .map(|r| {
+            (
+                r.get::<_, uuid::Uuid>(0).to_string(),
+                (r.get(1), r.get(2)),
+                r.get::<_, Option<i64>>(3).unwrap_or(0),
+            )
+        })
+        .collect();
+    let group_counts = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM outbox_inbox_gaps WHERE consumer = $1),
+                    (SELECT count(*) FROM outbox_inbox_held WHERE consumer = $1)",
+            &[&consumer::GROUP],
+        )
+        .await?;
+    let (gaps_given_up, held): (i64, i64) = (group_counts.get(0), group_counts.get(1));
+    let applied_report = checker::check_applied_or_dead(&committed_keys, &applied, &dead);
 
     // Effects at the destination against the ledger.
     let expected: Vec<String> = committed_uuids.iter().map(consumer::effect_key).collect();
@@ -121,7 +160,10 @@ pub(super) async fn check(
             )
         })
         .collect();
-    let effects = checker::check_effects(&expected, &world.book.accepted(), &ledger);
+    // What the destination holds: an item its worker withdrew (its claim was taken over
+    // while it was sending, e.g. SIGSTOPped past the effect lease) was not performed; the
+    // report counts those as `destination_deleted`.
+    let effects = checker::check_effects(&expected, &world.book.live(), &ledger);
 
     // Recovery after each fault.
     let commits: Vec<(String, i64)> = produced
@@ -145,14 +187,22 @@ pub(super) async fn check(
         .await
         .map_or(0, |(n, _)| n);
     let injected_copies = *world.injected_copies.lock().unwrap();
-    let relay_faults = records
+    let relays_hit: usize = records
         .iter()
-        .filter(|r| r.injected && r.planned.fault.hits_a_relay())
+        .filter(|r| r.injected)
+        .map(|r| r.planned.fault.relays_hit(args.relays))
+        .sum();
+    let broker_restarts = records
+        .iter()
+        .filter(|r| r.injected && matches!(r.planned.fault, Fault::RestartRabbitmq { .. }))
         .count();
-    // A relay fault can make a relay publish again what it published but had not marked:
-    // at most its confirm window (256) plus the acked rows waiting for their mark (one
-    // batch, 200). Everything else is the copies the soak itself published.
-    let duplicate_bound = injected_copies + (relay_faults + 1) * (256 + 200);
+    // A fault that hits a relay can make it publish again what it published but had not
+    // marked: at most its confirm window (256) plus the acked rows waiting for their mark
+    // (one batch, 200); a restart of a service hits every relay. A broker restart may also
+    // hand the tap again what it had not acked (its prefetch). Everything else is the
+    // copies the soak itself published.
+    let duplicate_bound =
+        injected_copies + (relays_hit + 1) * (256 + 200) + broker_restarts * TAP_PREFETCH as usize;
     let mut unexpected_exits = Vec::new();
     for slot in world.relays.iter().chain(&world.consumers) {
         unexpected_exits.extend(slot.unexpected_exits().await);
@@ -181,6 +231,15 @@ pub(super) async fn check(
         format!("order violations {}", delivery.order_violations),
     );
     fail(
+        !not_published_again.is_empty(),
+        format!(
+            "{} of {} rows acked but not marked when their relay was killed were not published again (marked without a new ack?): {:?}",
+            not_published_again.len(),
+            ack_not_marked.len(),
+            &not_published_again[..not_published_again.len().min(5)]
+        ),
+    );
+    fail(
         !effects.exactly_once(),
         format!("effects not exactly once: {:?}", effects.examples),
     );
@@ -200,7 +259,21 @@ pub(super) async fn check(
     );
     fail(parked > 0, format!("parked {parked}"));
     fail(pending > 0, format!("pending {pending}"));
-    fail(dead_lettered > 0, format!("dead-lettered {dead_lettered}"));
+    fail(
+        dead_lettered as usize > dead.len(),
+        format!(
+            "{dead_lettered} messages dead-lettered, {} with a record in the inbox",
+            dead.len()
+        ),
+    );
+    fail(
+        gaps_given_up > 0,
+        format!("the consumer group gave up or jumped {gaps_given_up} gap(s)"),
+    );
+    fail(
+        held > 0,
+        format!("the consumer group still holds {held} event(s)"),
+    );
     fail(
         db_mismatch > 0,
         format!("database and producers disagree on {db_mismatch} events"),
@@ -240,9 +313,24 @@ pub(super) async fn check(
             "parked": parked,
             "dead_lettered": dead_lettered,
         },
+        "groups": [{
+            "name": consumer::GROUP,
+            "instances": args.consumers,
+            "partitions": consumer::PARTITIONS,
+            "routed": committed_keys.len(),
+            "applied_once": applied_report.applied - applied_report.applied_twice,
+            "dead_lettered_with_record": dead.len(),
+            "seqs_strictly_increasing_none_skipped": applied_report.not_increasing == 0 && applied_report.gaps == 0,
+            "gaps_given_up": gaps_given_up,
+            "held_at_the_end": held,
+        }],
         "faults": records,
         "faults_injected": records.iter().filter(|r| r.injected).count(),
         "delivery": delivery,
+        "between_ack_and_mark": {
+            "rows": ack_not_marked.len(),
+            "published_again": ack_not_marked.len() - not_published_again.len(),
+        },
         "duplicates": {
             "received": delivery.duplicates,
             "injected_copies": injected_copies,
@@ -271,10 +359,28 @@ pub(super) async fn check(
     std::fs::write(&path, &text)?;
     println!("{text}");
     println!("report: {}", path.display());
+    println!(
+        "group {} ({} instances, {} partitions): {} events routed, {} applied exactly once, {} dead-lettered with a record, applied seqs per key strictly increasing with no event skipped: {}, gaps given up {}",
+        consumer::GROUP,
+        args.consumers,
+        consumer::PARTITIONS,
+        committed_keys.len(),
+        applied_report.applied - applied_report.applied_twice - applied_report.unexpected,
+        dead.len(),
+        if applied_report.not_increasing == 0
+            && applied_report.gaps == 0
+            && applied_report.missing == 0
+        {
+            "yes"
+        } else {
+            "NO"
+        },
+        gaps_given_up,
+    );
     let secs =
         |ms: Option<&i64>| ms.map_or("-".to_owned(), |m| format!("{:.1}s", *m as f64 / 1000.0));
     println!(
-        "outbox-soak seed={} duration={}: {} | {} events ({} rolled back, {} committed late), {} of {} faults injected, duplicates {} (bound {duplicate_bound}), lost {}, unexpected {}, order violations {}, effects performed exactly once {}/{}, applied in seq order over {} keys: {}, recovery max {} median {}, drained in {:.1}s{}",
+        "outbox-soak seed={} duration={}: {} | {} events ({} rolled back, {} committed late), {} of {} faults injected, duplicates {} (bound {duplicate_bound}), lost {}, unexpected {}, order violations {}, acked-not-marked rows of killed relays published again {}/{}, effects performed exactly once {}/{}, applied in seq order over {} keys: {}, recovery max {} median {}, drained in {:.1}s{}",
         args.seed,
         humantime::format_duration(args.duration),
         if pass { "PASS" } else { "FAIL" },
@@ -287,6 +393,8 @@ pub(super) async fn check(
         delivery.lost,
         delivery.unexpected,
         delivery.order_violations,
+        ack_not_marked.len() - not_published_again.len(),
+        ack_not_marked.len(),
         effects.expected - effects.missing - effects.performed_twice,
         effects.expected,
         applied_report.keys,
