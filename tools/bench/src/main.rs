@@ -10,7 +10,9 @@
 //! triggers in each relay state, against the same table without triggers, and the idle
 //! wake-up latency; (5) the drain with millions of dispatched rows in the table against an
 //! empty one, and with retention deleting them; (6) the relay's peak memory and CPU per
-//! 100,000 events; (7) one backlog drained by 1, 2 and 3 relays. `--sweep` adds drain
+//! 100,000 events; (7) one backlog drained by 1, 2 and 3 relays; (8) a backlog
+//! applied by 1, 2 and 3 consumer instances (unordered, an ordered group, a group with one
+//! effect per event), as a ratio to (2). `--sweep` adds drain
 //! rate against batch size and channel count, drawn as an SVG chart (`--svg`).
 //!
 //! The relay runs as the real binary in a child process (`outbox-relay run`), next to this
@@ -44,8 +46,8 @@ use report::{Machine, Outcome, Results};
 use sections::{Ctx, Settings};
 
 /// The sections `--only` can pick.
-const SECTIONS: [&str; 7] = [
-    "ceiling", "drain", "latency", "producer", "growth", "scale", "sweep",
+const SECTIONS: [&str; 8] = [
+    "ceiling", "drain", "latency", "producer", "growth", "scale", "sweep", "consumer",
 ];
 
 #[derive(Debug, Parser)]
@@ -69,7 +71,7 @@ struct Args {
     /// Also measure drain rate against batch size and channel count.
     #[arg(long)]
     sweep: bool,
-    /// Run only these sections (comma-separated): ceiling, drain, latency, producer, growth, scale, sweep.
+    /// Run only these sections (comma-separated): ceiling, drain, latency, producer, growth, scale, sweep, consumer.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 
@@ -164,6 +166,21 @@ struct Args {
     /// Backlog size of each scale-out drain.
     #[arg(long)]
     scale_events: Option<u64>,
+    /// Backlog size of each consumer run.
+    #[arg(long)]
+    consumer_events: Option<u64>,
+    /// Distinct keys the consumer backlog is spread over.
+    #[arg(long)]
+    consumer_keys: Option<u64>,
+    /// Consumer instance counts for the consumer section.
+    #[arg(long, value_delimiter = ',')]
+    consumer_instances: Vec<usize>,
+    /// Partitions of the consumer group in the consumer section.
+    #[arg(long, default_value_t = 8)]
+    consumer_partitions: u16,
+    /// The consumer instances' prefetch.
+    #[arg(long, default_value_t = 16)]
+    consumer_prefetch: u16,
 }
 
 /// Commands the bench runs itself, not meant for users.
@@ -235,6 +252,11 @@ impl Args {
             sweep_events: size(self.sweep_events, 50_000, 1_000),
             scale_relays: pick(&self.scale_relays, &[1, 2, 3], &[1, 2], smoke),
             scale_events: size(self.scale_events, 100_000, 1_000),
+            consumer_events: size(self.consumer_events, 20_000, 300),
+            consumer_keys: size(self.consumer_keys, 1_000, 50),
+            consumer_instances: pick(&self.consumer_instances, &[1, 2, 3], &[2], smoke),
+            consumer_partitions: self.consumer_partitions.max(1),
+            consumer_prefetch: self.consumer_prefetch.max(1),
         }
     }
 
@@ -341,6 +363,7 @@ async fn run(args: Args) -> Result<bool> {
         growth: None,
         sweep: None,
         scale: None,
+        consumer: None,
     };
 
     // The backlog is made first so that the ceiling publishes the very bodies the relay
@@ -430,6 +453,27 @@ async fn run(args: Args) -> Result<bool> {
     if args.wants("sweep") {
         note("sweep: batch size x channels");
         results.sweep = outcome("sweep", sections::sweep(&ctx, bodies()).await);
+    }
+    if args.wants("consumer") {
+        // The relay's drain rate in this run: the drain section's, else a short drain.
+        let drained = match results.drain.as_ref().and_then(|d| d.as_ref().ok()) {
+            Some(d) => Ok((d.rate, d.events)),
+            None => {
+                note(&format!(
+                    "8. consumer: a drain of {} events to compare with",
+                    s.consumer_events
+                ));
+                let (b, _) = sections::prepare_backlog(&ctx, s.consumer_events, 0).await?;
+                sections::drain(&ctx, b, &s.relay, false)
+                    .await
+                    .map(|d| (d.rate, d.events))
+            }
+        };
+        let runs = match drained {
+            Ok((rate, events)) => sections::consumer(&ctx, rate, events).await,
+            Err(e) => Err(e),
+        };
+        results.consumer = outcome("consumer", runs);
     }
     ctx.admin.close().await;
     results.duration_s = started.elapsed().as_secs_f64();

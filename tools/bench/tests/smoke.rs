@@ -85,6 +85,7 @@ async fn bench_smoke_measures_every_section() {
         "relay_resources",
         "sweep",
         "scale_out",
+        "consumer",
     ] {
         let v = &report[section];
         assert!(
@@ -95,6 +96,9 @@ async fn bench_smoke_measures_every_section() {
     assert!(report["broker_ceiling"]["rate"].as_f64().unwrap() > 0.0);
     assert!(report["drain"]["rate"].as_f64().unwrap() > 0.0);
     assert!(report["drain"]["ratio_to_ceiling"].as_f64().unwrap() > 0.0);
+    let points = report["consumer"]["points"].as_array().unwrap();
+    assert_eq!(points.len(), 3, "three modes at two instances");
+    assert!(points.iter().all(|p| p["rate"].as_f64().unwrap() > 0.0));
     let runs = report["latency"]["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 4, "two rates, with and without LISTEN");
     for r in runs {

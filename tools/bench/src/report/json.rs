@@ -160,6 +160,29 @@ impl Results {
                 })
                 .map_err(Clone::clone)
         });
+        let consumer = self.consumer.as_ref().map(|r| {
+            r.as_ref()
+                .map(|c| {
+                    json!({
+                        "events": c.events,
+                        "keys": c.keys,
+                        "partitions": c.partitions,
+                        "prefetch": c.prefetch,
+                        "drain_rate": c.drain_rate.round(),
+                        "drain_events": c.drain_events,
+                        "points": c.points.iter().map(|p| {
+                            json!({
+                                "mode": p.mode.name(),
+                                "instances": p.instances,
+                                "seconds": round3(p.seconds),
+                                "rate": p.rate.round(),
+                                "ratio_to_drain": round3(c.ratio(p)),
+                            })
+                        }).collect::<Vec<_>>(),
+                    })
+                })
+                .map_err(Clone::clone)
+        });
         json!({
             "bench": "outbox-bench",
             "format": 1,
@@ -195,6 +218,11 @@ impl Results {
                 "sweep_events": s.sweep_events,
                 "scale_relays": s.scale_relays,
                 "scale_events": s.scale_events,
+                "consumer_events": s.consumer_events,
+                "consumer_keys": s.consumer_keys,
+                "consumer_instances": s.consumer_instances,
+                "consumer_partitions": s.consumer_partitions,
+                "consumer_prefetch": s.consumer_prefetch,
             },
             "broker_ceiling": section(&ceiling),
             "drain": section(&drain),
@@ -204,6 +232,7 @@ impl Results {
             "relay_resources": section(&resources),
             "sweep": section(&sweep),
             "scale_out": section(&scale),
+            "consumer": section(&consumer),
             "targets": self.targets().iter().map(|t| json!({
                 "name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met,
             })).collect::<Vec<_>>(),

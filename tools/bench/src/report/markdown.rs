@@ -356,6 +356,34 @@ impl Results {
             }
             o.push('\n');
         }
+        if let Some(c) = ok(&self.consumer) {
+            let _ = writeln!(
+                o,
+                "Consumer: a backlog of {} events over {} keys published with the relay's headers, applied by consumer instances started together (tasks of the bench, each with its own pool and connection; prefetch {}, {} partitions), against the relay's drain of {} events in this run ({} events/s):\n",
+                thousands(c.events as f64),
+                thousands(c.keys as f64),
+                c.prefetch,
+                c.partitions,
+                thousands(c.drain_events as f64),
+                thousands(c.drain_rate)
+            );
+            let _ = writeln!(
+                o,
+                "| mode | instances | applied events/s | ratio to drain |"
+            );
+            let _ = writeln!(o, "|---|---|---|---|");
+            for p in &c.points {
+                let _ = writeln!(
+                    o,
+                    "| {} | {} | {} | {:.3} |",
+                    p.mode.describe(),
+                    p.instances,
+                    thousands(p.rate),
+                    c.ratio(p)
+                );
+            }
+            o.push('\n');
+        }
         if let Some(sw) = ok(&self.sweep) {
             let _ = writeln!(
                 o,

@@ -7,7 +7,7 @@
 //! table, `latency.rs` its latency tables, `json.rs` the JSON document.
 
 use crate::sections::{
-    CeilingRuns, Drain, Growth, Latency, ProducerCost, Runner, Scale, Settings, Sweep,
+    CeilingRuns, ConsumerRuns, Drain, Growth, Latency, ProducerCost, Runner, Scale, Settings, Sweep,
 };
 use crate::svg;
 
@@ -68,6 +68,7 @@ pub struct Results {
     pub growth: Outcome<Growth>,
     pub sweep: Outcome<Sweep>,
     pub scale: Outcome<Scale>,
+    pub consumer: Outcome<ConsumerRuns>,
 }
 
 /// One target and how far the run is from it.
@@ -130,6 +131,10 @@ impl Results {
         add(
             "scale_out",
             self.scale.as_ref().and_then(|r| r.as_ref().err()),
+        );
+        add(
+            "consumer",
+            self.consumer.as_ref().and_then(|r| r.as_ref().err()),
         );
         out
     }

@@ -3,7 +3,7 @@
 //! happened (every row dispatched, every message queued or received) and cleans up.
 //!
 //! One file per measurement: `ceiling.rs` (1), `drain.rs` (2 and 6), `latency.rs` (3),
-//! `producer.rs` (4), `growth.rs` (5), `sweep.rs`, `scale.rs` (7); this file holds what they
+//! `producer.rs` (4), `growth.rs` (5), `sweep.rs`, `scale.rs` (7), `consumer.rs` (8); this file holds what they
 //! share: the context, the settings and the wait with a deadline.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +17,7 @@ use crate::pg::{Admin, BenchDb};
 use crate::relay::{Launcher, RelayProcess, RelaySettings};
 
 mod ceiling;
+mod consumer;
 mod drain;
 mod growth;
 mod latency;
@@ -25,6 +26,7 @@ mod scale;
 mod sweep;
 
 pub use ceiling::{CeilingRuns, broker_ceiling};
+pub use consumer::{ConsumerRuns, consumer};
 pub use drain::{Drain, drain, prepare_backlog};
 pub use growth::{Growth, growth};
 pub use latency::{Latency, Runner, latency};
@@ -67,6 +69,11 @@ pub struct Settings {
     pub sweep_events: u64,
     pub scale_relays: Vec<usize>,
     pub scale_events: u64,
+    pub consumer_events: u64,
+    pub consumer_keys: u64,
+    pub consumer_instances: Vec<usize>,
+    pub consumer_partitions: u16,
+    pub consumer_prefetch: u16,
 }
 
 impl Ctx {
