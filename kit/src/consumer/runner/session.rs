@@ -229,7 +229,12 @@ impl Session {
     }
 }
 
-async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
+/// What both topologies share: the source exchange, the dead-letter exchange and its queue.
+/// Returns the dead-letter exchange's name and the options every durable queue is declared with.
+async fn declare_source_and_dead_letters(
+    ch: &Channel,
+    cfg: &ConsumerConfig,
+) -> Result<(String, QueueDeclareOptions), Opened> {
     let declared = |e| refused_or_failed("exchange.declare", e);
     amqp::declare_exchange(ch, &cfg.exchange, ExchangeKind::Topic, false)
         .await
@@ -259,6 +264,11 @@ async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
         ),
     )
     .await?;
+    Ok((dlx, queue_options))
+}
+
+async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
+    let (dlx, queue_options) = declare_source_and_dead_letters(ch, cfg).await?;
     let mut args = FieldTable::default();
     // What the broker itself gives up on (a reject without requeue) lands there too.
     args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
@@ -306,35 +316,7 @@ async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
 /// its ring from the bindings in sorted order, so the ring stays the same).
 async fn declare_group(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
     let ordered = cfg.ordered.as_ref().expect("a group is ordered");
-    let declared = |e| refused_or_failed("exchange.declare", e);
-    amqp::declare_exchange(ch, &cfg.exchange, ExchangeKind::Topic, false)
-        .await
-        .map_err(declared)?;
-    let dlx = cfg.dead_letter_exchange();
-    amqp::declare_exchange(ch, &dlx, ExchangeKind::Fanout, false)
-        .await
-        .map_err(declared)?;
-    let queue_options = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    let dlq = cfg.dead_letter_queue();
-    rpc(
-        "queue.declare",
-        ch.queue_declare(dlq.as_str().into(), queue_options, FieldTable::default()),
-    )
-    .await?;
-    rpc(
-        "queue.bind",
-        ch.queue_bind(
-            dlq.as_str().into(),
-            dlx.as_str().into(),
-            "".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        ),
-    )
-    .await?;
+    let (dlx, queue_options) = declare_source_and_dead_letters(ch, cfg).await?;
     let hash = cfg.hash_exchange();
     let mut args = FieldTable::default();
     args.insert("hash-header".into(), long_string(H_AGGREGATE_ID));
