@@ -40,8 +40,11 @@ pub(crate) struct Pacing {
     unheard: usize,
     /// The flag producers should see.
     wakeup_wanted: bool,
-    /// The flag as last written (`None`: unknown, or due for renewal).
+    /// The flag as last written (`None`: unknown).
     wakeup_db: Option<bool>,
+    /// The flag is on and a lease round asks for it to be written again. Until then it
+    /// stays on in the database, so rows found meanwhile still count as unannounced.
+    renew_due: bool,
     /// A flag write is in flight.
     wakeup_busy: bool,
 }
@@ -58,6 +61,7 @@ impl Pacing {
             unheard: 0,
             wakeup_wanted: listen,
             wakeup_db: None,
+            renew_due: false,
             wakeup_busy: false,
         }
     }
@@ -122,7 +126,7 @@ impl Pacing {
     /// once no live relay renews it.
     pub(crate) fn lease_renewed(&mut self) {
         if self.wakeup_db == Some(true) {
-            self.wakeup_db = None;
+            self.renew_due = true;
         }
     }
 
@@ -134,7 +138,8 @@ impl Pacing {
             || !registered
             || self.wakeup_busy
             || stopping
-            || self.wakeup_db == Some(self.wakeup_wanted)
+            || (self.wakeup_db == Some(self.wakeup_wanted)
+                && !(self.renew_due && self.wakeup_wanted))
         {
             return None;
         }
@@ -143,9 +148,11 @@ impl Pacing {
     }
 
     /// The flag was written as `wanted`. Returns whether to poll once more: it was turned
-    /// on, and a producer may have committed while it was off.
+    /// on (or renewed: had the renewal come late, the flag may have lapsed meanwhile), and a
+    /// producer may have committed while it was off.
     pub(crate) fn wakeup_written(&mut self, wanted: bool) -> bool {
         self.wakeup_busy = false;
+        self.renew_due = false;
         self.wakeup_db = Some(wanted);
         wanted
     }
@@ -244,6 +251,8 @@ mod tests {
             Some(true),
             "renewed each lease round"
         );
+        p.wakeup_written(true);
+        assert_eq!(p.wakeup_due(true, false), None, "renewed");
 
         let mut off = Pacing::new(false);
         assert_eq!(off.wakeup_due(true, false), None, "without --listen");
@@ -266,5 +275,9 @@ mod tests {
         assert_eq!(p.unannounced(2), 0, "the NOTIFY came before the claim");
         p.notified();
         assert_eq!(p.unannounced(0), 0, "a late NOTIFY announces them still");
+        // A lease round asks for the flag to be written again; it is still on meanwhile.
+        p.lease_renewed();
+        assert_eq!(p.unannounced(4), 0);
+        assert_eq!(p.unannounced(0), 4, "counted while the renewal is due");
     }
 }
