@@ -188,6 +188,25 @@ async fn run(config: Config) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Config::ConsumerBlocked {
+            db,
+            schema,
+            consumer,
+            limit,
+            json,
+        } => {
+            let client = db
+                .connect(&schema, "outbox-relay-consumer-blocked")
+                .await
+                .context("cannot connect to postgres")?;
+            let keys = operator::blocked(&client, consumer.as_deref(), limit).await?;
+            if json {
+                println!("{}", operator::blocked_json(&keys));
+            } else {
+                print!("{}", operator::blocked_text(&keys));
+            }
+            Ok(())
+        }
         Config::Status { db, schema, json } => {
             let client = db
                 .connect(&schema, "outbox-relay-status")

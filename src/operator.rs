@@ -1,4 +1,4 @@
-//! The operator's side: `status`, `parked list` and `redrive`.
+//! The operator's side: `status`, `parked list`, `redrive` and `consumer-blocked`.
 //!
 //! Read-only commands read through the partial indexes (pending, parked, dispatched) so
 //! they stay cheap on a large table. Re-driving goes through `outbox_redrive` (sql/0002),
@@ -14,6 +14,9 @@ use uuid::Uuid;
 use outbox_kit::db::{DbError, deadline};
 
 use crate::relay::claim::{NACKED, UNROUTABLE};
+
+mod blocked;
+pub use blocked::{BlockedKey, blocked, blocked_json, blocked_text};
 
 /// Which parked rows a command is about. Empty fields do not filter.
 #[derive(Clone, Debug, Default)]

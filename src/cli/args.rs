@@ -83,6 +83,9 @@ pub enum Command {
     /// Consumer kit: let a key of an ordered consumer group go on after one of its events
     /// was dead-lettered (block-key); its held events are applied in seq order.
     ConsumerRelease(ConsumerReleaseArgs),
+    /// Consumer kit: the keys of ordered consumer groups blocked after a dead letter
+    /// (block-key), longest blocked first, with how many later events each holds.
+    ConsumerBlocked(ConsumerBlockedArgs),
     /// A first run on local services: creates a demo database, produces events at a rate,
     /// runs the relay and a consumer in this process, shows progress and a summary.
     Demo(DemoArgs),
@@ -228,6 +231,21 @@ pub struct ConsumerReleaseArgs {
     /// The blocked key, as AGGREGATE_TYPE/AGGREGATE_ID.
     #[arg(long, env = "OUTBOX_CONSUMER_KEY")]
     pub key: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ConsumerBlockedArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Only this consumer group (all groups when not given).
+    #[arg(long, env = "OUTBOX_CONSUMER")]
+    pub consumer: Option<String>,
+    /// Most keys to show.
+    #[arg(long, default_value = "100")]
+    pub limit: String,
+    /// Print JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

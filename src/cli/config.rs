@@ -64,6 +64,13 @@ pub enum Config {
         aggregate_type: String,
         aggregate_id: String,
     },
+    ConsumerBlocked {
+        db: DbTarget,
+        schema: Schema,
+        consumer: Option<String>,
+        limit: i64,
+        json: bool,
+    },
     Demo(outbox_relay::demo::DemoConfig),
 }
 
@@ -117,6 +124,20 @@ impl Cli {
                     consumer: a.consumer,
                     aggregate_type: aggregate_type.to_owned(),
                     aggregate_id: aggregate_id.to_owned(),
+                })
+            }
+            Command::ConsumerBlocked(a) => {
+                let (db, schema) = a.db.parse(files)?;
+                let limit: NonZeroU32 = positive("--limit", &a.limit)?;
+                if a.consumer.as_deref() == Some("") {
+                    return Err(ConfigError::new("--consumer", "must not be empty"));
+                }
+                Ok(Config::ConsumerBlocked {
+                    db,
+                    schema,
+                    consumer: a.consumer,
+                    limit: i64::from(limit.get()),
+                    json: a.json,
                 })
             }
             Command::Demo(a) => Ok(Config::Demo(a.parse(files)?)),

@@ -38,6 +38,11 @@ const SECTIONS: &[(&[&str], &str, &str)] = &[
         "### Releasing a blocked key: `outbox-relay consumer-release`",
     ),
     (
+        &["consumer-blocked"],
+        "docs/consumer-kit.md",
+        "### Releasing a blocked key: `outbox-relay consumer-release`",
+    ),
+    (
         &["demo"],
         "docs/running.md",
         "## Try it: `outbox-relay demo`",

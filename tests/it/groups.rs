@@ -612,6 +612,38 @@ async fn a_poison_event_blocks_its_key_until_released() {
     })
     .await;
     let key = "order/p".to_owned();
+    let blocked = |json: bool| {
+        let mut args = vec![
+            "consumer-blocked".to_owned(),
+            "--database-url".to_owned(),
+            db.url(),
+            "--schema".to_owned(),
+            db.schema.to_string(),
+            "--consumer".to_owned(),
+            cfg.name.clone(),
+        ];
+        if json {
+            args.push("--json".to_owned());
+        }
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (code, out, err) = run_to_end(&args, &[]).await;
+            assert_eq!(code, 0, "{out}{err}");
+            out
+        }
+    };
+    let out = blocked(false).await;
+    assert!(
+        out.contains(&format!("{} order/p blocked at seq 7", cfg.name))
+            && out.contains("1 later event(s) held")
+            && out.contains(&format!("--key {key}")),
+        "{out}"
+    );
+    let listed: serde_json::Value = serde_json::from_str(&blocked(true).await).unwrap();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(listed[0]["aggregate_id"], "p", "{listed}");
+    assert_eq!(listed[0]["seq"], 7, "{listed}");
+    assert_eq!(listed[0]["held"], 1, "{listed}");
     let (code, out, err) = run_to_end(
         &[
             "consumer-release",
@@ -650,6 +682,7 @@ async fn a_poison_event_blocks_its_key_until_released() {
     .await;
     assert_eq!(code, 0);
     assert!(out.contains("not blocked"), "{out}");
+    assert!(blocked(false).await.contains("no blocked keys"));
     running.stop().await;
     kit::delete_group_topology(&cfg).await;
 
