@@ -83,6 +83,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0012_consumer_groups.sql",
         sql: include_str!("../../sql/0012_consumer_groups.sql"),
     },
+    Migration {
+        version: 13,
+        name: "0013_claim_plan_cache.sql",
+        sql: include_str!("../../sql/0013_claim_plan_cache.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

@@ -165,9 +165,10 @@ async fn event_ids_are_time_ordered_uuid_v7() {
     assert!(stamps.is_sorted(), "made one after the other: {stamps:?}");
 }
 
-/// `outbox_claim` plans its statements with each call's values on every call: a cached
-/// generic plan once made its numbering step join rows to keys in a nested loop (6 times
-/// slower from the sixth claim of a connection on a big table; sql/0005_claim_plans.sql).
+/// `outbox_claim` plans its statements with each call's values unless the claim is small
+/// (sql/0013_claim_plan_cache.sql): a cached generic plan once made its numbering step join
+/// rows to keys in a nested loop (6 times slower from the sixth claim of a connection on a
+/// big table; sql/0005_claim_plans.sql).
 #[tokio::test]
 async fn the_claim_is_planned_with_each_calls_values() {
     let db = TestDb::new().await;
