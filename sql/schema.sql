@@ -929,9 +929,21 @@ BEGIN
      WHERE ik.consumer = p_consumer AND ik.aggregate_type = p_aggregate_type
        AND ik.aggregate_id = p_aggregate_id
        FOR UPDATE;
-    IF p_seq <= k.last_seq OR EXISTS (
+    IF EXISTS (
         SELECT 1 FROM outbox_inbox i WHERE i.consumer = p_consumer AND i.event_id = p_event_id
     ) THEN
+        RETURN QUERY SELECT 'duplicate'::text, k.last_seq;
+        RETURN;
+    END IF;
+    IF p_seq <= k.last_seq THEN
+        -- Older than the key but never seen: it came after a later event of its key, so it
+        -- cannot be applied in order. Recorded (once per event), never silently dropped.
+        INSERT INTO outbox_inbox_gaps
+            (consumer, aggregate_type, aggregate_id, expected_seq, got_seq, event_id, action)
+        SELECT p_consumer, p_aggregate_type, p_aggregate_id, k.last_seq + 1, p_seq, p_event_id, 'late'
+         WHERE NOT EXISTS (SELECT 1 FROM outbox_inbox_gaps g
+                            WHERE g.consumer = p_consumer AND g.event_id = p_event_id
+                              AND g.action = 'late');
         RETURN QUERY SELECT 'duplicate'::text, k.last_seq;
         RETURN;
     END IF;
@@ -1642,7 +1654,7 @@ CREATE TABLE public.outbox_inbox_gaps (
     event_id uuid NOT NULL,
     action text NOT NULL,
     reported_at timestamp with time zone DEFAULT now() NOT NULL,
-    CONSTRAINT outbox_inbox_gaps_action_check CHECK ((action = ANY (ARRAY['skipped'::text, 'dead'::text, 'jumped'::text])))
+    CONSTRAINT outbox_inbox_gaps_action_check CHECK ((action = ANY (ARRAY['skipped'::text, 'dead'::text, 'jumped'::text, 'late'::text])))
 );
 
 --

@@ -88,6 +88,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0013_claim_plan_cache.sql",
         sql: include_str!("../../sql/0013_claim_plan_cache.sql"),
     },
+    Migration {
+        version: 14,
+        name: "0014_late_events.sql",
+        sql: include_str!("../../sql/0014_late_events.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

@@ -772,7 +772,8 @@ async fn queue_depth(queue: &str) -> u32 {
 }
 
 /// A seq jump (seq 2 parked upstream with --on-park continue, or routed elsewhere) is
-/// applied at once and recorded; seq 2 arriving later is older than the key: a duplicate.
+/// applied at once and recorded; seq 2 arriving later is older than the key: acked, not
+/// applied, and recorded as late (it was never seen, so it is no duplicate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_seq_jump_is_applied_at_once_and_recorded() {
     let db = TestDb::new().await;
@@ -806,6 +807,22 @@ async fn a_seq_jump_is_applied_at_once_and_recorded() {
         (applied(&client).await.get("j") == Some(&vec![1, 3, 4])).then_some(())
     })
     .await;
+    let late: Vec<(i64, i64)> = client
+        .query(
+            "SELECT expected_seq, got_seq FROM outbox_inbox_gaps
+              WHERE aggregate_id = 'j' AND action = 'late'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        late,
+        [(4, 2)],
+        "the late 2 is recorded, not dropped silently"
+    );
     running.stop().await;
     kit::delete_group_topology(&cfg).await;
 }
@@ -1013,6 +1030,26 @@ async fn the_sql_functions_alone_give_the_group_rules() {
     assert_eq!(record(1, ids[1]).await, "duplicate");
     assert_eq!(record(3, ids[3]).await, "jumped");
     assert_eq!(record(2, ids[2]).await, "duplicate", "older than the key");
+    assert_eq!(record(2, ids[2]).await, "duplicate", "and again");
+    let late: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox_inbox_gaps WHERE action = 'late' AND got_seq = 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(late, 1, "an event older than its key is recorded once");
+    assert_eq!(record(1, ids[1]).await, "duplicate");
+    let late: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox_inbox_gaps WHERE action = 'late'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(late, 1, "a true duplicate is not late");
     c.execute(
         "SELECT outbox_group_dead('g', $1, 'order', 'k', 4, 'poison', true)",
         &[&ids[4]],
