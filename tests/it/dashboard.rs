@@ -200,9 +200,18 @@ async fn a_parked_row_is_redriven_from_the_page() {
         shot.display()
     );
 
-    // A wrong token: refused, and the page says so; the row stays parked.
+    // A wrong token: refused, and the page says so; the row stays parked. A new token
+    // refreshes the page when the field loses focus, and the refusal notice above the table
+    // moves it: let that refresh land before the click, or the click can miss the button.
     let button = format!("#parked tr[data-event-id=\"{event_id}\"] button[data-redrive]");
     page.type_into("#token", "not-the-token").await;
+    page.eval("document.getElementById('token').blur()").await;
+    page.wait_until(
+        "the refresh with the wrong token refused",
+        "document.getElementById('error').textContent.includes('401')",
+        Duration::from_secs(10),
+    )
+    .await;
     page.click(&button).await;
     let refused = page
         .wait_until(
@@ -224,6 +233,13 @@ async fn a_parked_row_is_redriven_from_the_page() {
     // Make it routable, then re-drive with the right token.
     broker.bind("ghost.#").await;
     page.type_into("#token", TOKEN).await;
+    page.eval("document.getElementById('token').blur()").await;
+    page.wait_until(
+        "the refresh with the right token through",
+        "document.getElementById('error').textContent === ''",
+        Duration::from_secs(10),
+    )
+    .await;
     page.click(&button).await;
     page.wait_until(
         "the backlog and the parked list at zero",
