@@ -318,6 +318,9 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
     // two other kinds are tried in the same slot, so a busy service does not stall the rest.
     let mut deferred: std::collections::VecDeque<usize> = Default::default();
     let mut tries = 0;
+    // After every consumer instance was stopped for L, the next such stop waits 3 L after
+    // it ended: the group is down at most a quarter of the run and has time to catch up.
+    let mut next_stop_consumers = 0;
     while at + TAIL_MS + 500 < end {
         let kind = (if tries == 0 {
             deferred.pop_front()
@@ -326,6 +329,9 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
         })
         .or_else(|| next_kind.next())
         .unwrap_or_else(|| kinds[rng.below(kinds.len() as u64) as usize]);
+        if kind == STOP_CONSUMERS && at < next_stop_consumers {
+            continue;
+        }
         let relay = rng.below(shape.relays as u64) as usize;
         let consumer = rng.below(shape.consumers as u64) as usize;
         let any = if rng.chance(0.6) {
@@ -437,6 +443,9 @@ pub fn draw(seed: u64, shape: &Shape) -> Vec<Planned> {
         if let Some(s) = fault.restarts() {
             down_until.insert(s, at + length + 1_000);
         }
+        if kind == STOP_CONSUMERS {
+            next_stop_consumers = at + 4 * length;
+        }
         plan.push(Planned { at_ms: at, fault });
         at += gap;
     }
@@ -456,6 +465,24 @@ mod tests {
             own_services: true,
             backlog: Duration::from_secs(10),
             member_lease: Duration::from_secs(6),
+        }
+    }
+
+    #[test]
+    fn every_consumer_is_stopped_at_most_a_quarter_of_the_run() {
+        let long = Shape {
+            backlog: Duration::from_secs(60),
+            ..shape(900)
+        };
+        for seed in 0..20 {
+            let stops: Vec<u64> = draw(seed, &long)
+                .iter()
+                .filter(|p| matches!(p.fault, Fault::StopConsumers { .. }))
+                .map(|p| p.fault.length().as_millis() as u64)
+                .collect();
+            assert!(!stops.is_empty(), "seed {seed}");
+            let down: u64 = stops.iter().sum();
+            assert!(down <= 900_000 / 4 + 60_000, "seed {seed}: {stops:?}");
         }
     }
 
