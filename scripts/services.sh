@@ -92,27 +92,9 @@ ensure_chromium() {
   }
 }
 
-# Ordered consumer groups spread a group's events over partition queues with RabbitMQ's
-# consistent-hash exchange, a plugin that ships with RabbitMQ and is off by default. Enabling
-# it is online and idempotent; only for a broker on this machine (one we can reach with
-# rabbitmq-plugins), not for one named by IT_AMQP_URL elsewhere.
-ensure_rabbitmq_plugins() {
-  if ! command -v rabbitmq-plugins >/dev/null 2>&1; then
-    log "rabbitmq-plugins not found: enable rabbitmq_consistent_hash_exchange on your broker yourself"
-    return 0
-  fi
-  if as_root timeout 60 rabbitmq-plugins -q is_enabled rabbitmq_consistent_hash_exchange >/dev/null 2>&1; then
-    return 0
-  fi
-  log "enabling the RabbitMQ plugin rabbitmq_consistent_hash_exchange (ordered consumer groups)"
-  as_root timeout 120 rabbitmq-plugins -q enable rabbitmq_consistent_hash_exchange >/dev/null ||
-    log "could not enable rabbitmq_consistent_hash_exchange: run rabbitmq-plugins enable rabbitmq_consistent_hash_exchange"
-}
-
 ensure_services() {
   ensure_postgres
   ensure_rabbitmq
-  ensure_rabbitmq_plugins
 }
 
 # Tools the test suite uses besides the services: psql (tests apply sql/roles.sql with it, as

@@ -2,9 +2,9 @@
 # A three-node RabbitMQ cluster on this machine, for trying the relay against a cluster and
 # for the cluster test (tests/it/cluster.rs); with one node named, a private single node (the
 # soak's own broker, which it restarts). Each node has its own node name, AMQP port, Erlang
-# distribution port and data directory; each loads the plugins CLUSTER_PLUGINS names, by
-# default rabbitmq_consistent_hash_exchange (ordered consumer groups), never the management
-# plugin (its port would clash with the node already running on 5672/15672).
+# distribution port and data directory; each loads the plugins CLUSTER_PLUGINS names (none
+# by default), never the management plugin (its port would clash with the node already
+# running on 5672/15672).
 #
 #   deploy/cluster/rabbitmq-cluster.sh start          # start the three nodes and cluster them
 #   deploy/cluster/rabbitmq-cluster.sh status         # nodes, ports, cluster and quorum queues
@@ -17,8 +17,7 @@
 # Settings (environment): CLUSTER_DIR (default ${TMPDIR:-/tmp}/outbox-rabbitmq-cluster),
 # CLUSTER_NODES (default "rabbit-a rabbit-b rabbit-c", all @localhost; one to three names),
 # CLUSTER_PORTS (default "5681 5682 5683"), CLUSTER_DIST_PORTS (default "25681 25682 25683"),
-# as many ports as nodes; CLUSTER_PLUGINS (default "rabbitmq_consistent_hash_exchange", which
-# the consumer kit's ordered groups need; empty: none).
+# as many ports as nodes; CLUSTER_PLUGINS (plugin names separated by spaces; default: none).
 #
 # Needs rabbitmq-server installed (Debian: apt-get install rabbitmq-server). Run as root
 # (the nodes then run as the rabbitmq user and share its Erlang cookie with rabbitmqctl),
@@ -35,7 +34,7 @@ HOST=localhost
 log() { echo "rabbitmq-cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
 
-read -r -a PLUGINS <<<"${CLUSTER_PLUGINS-rabbitmq_consistent_hash_exchange}"
+read -r -a PLUGINS <<<"${CLUSTER_PLUGINS-}"
 N=${#NODES[@]}
 [ "$N" -ge 1 ] && [ "$N" -le 3 ] && [ "${#PORTS[@]}" = "$N" ] && [ "${#DIST[@]}" = "$N" ] ||
   die "CLUSTER_NODES (one to three names), CLUSTER_PORTS and CLUSTER_DIST_PORTS must name as many each"

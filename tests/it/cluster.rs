@@ -37,14 +37,9 @@ impl Cluster {
         let pid = std::process::id();
         let dir = std::env::temp_dir().join(format!("outbox-it-cluster-{pid}"));
         Cluster(
-            RabbitNodes::start(
-                &format!("outbox-it-{pid}"),
-                3,
-                &dir,
-                &["rabbitmq_consistent_hash_exchange"],
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}")),
+            RabbitNodes::start(&format!("outbox-it-{pid}"), 3, &dir, &[])
+                .await
+                .unwrap_or_else(|e| panic!("{e}")),
         )
     }
 

@@ -80,3 +80,7 @@ pub(crate) fn publish_channel_replaced(consumer: &str, nacked_for_ms: u64) {
 pub(crate) fn republish_failed(consumer: &str, error: &dyn std::fmt::Display) {
     warn!(target: "outbox_relay::consumer", consumer, error = %error, "could not hand a message to a retry queue or the dead-letter exchange; holding it and requeueing");
 }
+
+pub(crate) fn router_ended(consumer: &str, why: &str) {
+    warn!(target: "outbox_relay::consumer", consumer, why, "group router ended; its unacked intake messages go back to the intake and a router starts again");
+}

@@ -236,7 +236,12 @@ impl RawEvent {
 
 impl RawPublisher {
     pub async fn new(exchange: &str) -> RawPublisher {
-        let conn = AmqpTarget::parse(&amqp_url())
+        RawPublisher::on(&amqp_url(), exchange).await
+    }
+
+    /// A publisher on the broker at `url` (a test's own node).
+    pub async fn on(url: &str, exchange: &str) -> RawPublisher {
+        let conn = AmqpTarget::parse(url)
             .unwrap()
             .connect(&format!("outbox-it-publisher {exchange}"))
             .await
@@ -438,9 +443,10 @@ pub async fn wait_group_ready(cfg: &ConsumerConfig) {
     for p in 0..partitions {
         wait_queue_ready(&cfg.partition_queue(p)).await;
     }
+    wait_queue_ready(&cfg.intake_queue()).await;
 }
 
-/// Deletes an ordered group's partition queues, hash exchange and dead-letter queue.
+/// Deletes an ordered group's intake and partition queues, route exchange and dead letters.
 pub async fn delete_group_topology(cfg: &ConsumerConfig) {
     let Ok(conn) = AmqpTarget::parse(&amqp_url())
         .unwrap()
@@ -453,10 +459,11 @@ pub async fn delete_group_topology(cfg: &ConsumerConfig) {
         let partitions = cfg.ordered.as_ref().map_or(0, |o| o.partitions.get());
         let mut queues: Vec<String> = (0..partitions).map(|p| cfg.partition_queue(p)).collect();
         queues.push(cfg.dead_letter_queue());
+        queues.push(cfg.intake_queue());
         for q in queues {
             let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
         }
-        for x in [cfg.hash_exchange(), format!("{}.dlx", cfg.queue)] {
+        for x in [cfg.route_exchange(), format!("{}.dlx", cfg.queue)] {
             let _ = ch
                 .exchange_delete(x.as_str().into(), Default::default())
                 .await;

@@ -77,10 +77,12 @@ pub fn config(queue: &str, exchange: &str, worker: &str, prefetch: NonZeroU16) -
     cfg
 }
 
-/// The group's partition queues.
-pub fn partition_queues(queue: &str, exchange: &str) -> Vec<String> {
+/// The group's queues: its partition queues and its intake queue.
+pub fn group_queues(queue: &str, exchange: &str) -> Vec<String> {
     let cfg = config(queue, exchange, "-", NonZeroU16::MIN);
-    (0..PARTITIONS).map(|p| cfg.partition_queue(p)).collect()
+    let mut queues: Vec<String> = (0..PARTITIONS).map(|p| cfg.partition_queue(p)).collect();
+    queues.push(cfg.intake_queue());
+    queues
 }
 
 struct Soak {

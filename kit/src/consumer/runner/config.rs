@@ -1,7 +1,7 @@
 //! The runner's settings: [`ConsumerConfig`] with its ordered mode ([`Ordered`], [`OnDead`]),
 //! the checks that refuse settings that contradict each other, and the names and delays
-//! they imply (retry tiers, dead-letter exchange and queue, an ordered group's hash
-//! exchange and partition queues).
+//! they imply (retry tiers, dead-letter exchange and queue, an ordered group's intake
+//! queue, route exchange and partition queues, and the partition of a key).
 //!
 //! Invariant: every retry delay [`ConsumerConfig::retry_delay`] can return has a declared
 //! queue among [`ConsumerConfig::delay_tiers`]; timeouts are shorter than what they guard.
@@ -168,17 +168,41 @@ impl ConsumerConfig {
         (1..=21).map(|a| self.retry_delay(a)).collect()
     }
 
-    /// The consistent-hash exchange of an ordered group, bound to `exchange`.
-    pub fn hash_exchange(&self) -> String {
+    /// An ordered group's intake queue: bound to `exchange` with the bindings,
+    /// single-active-consumer; the group's router moves its events to the partition queues.
+    pub fn intake_queue(&self) -> String {
+        format!("{}.intake", self.queue)
+    }
+
+    /// The direct exchange the router publishes to; each partition queue is bound to it
+    /// with its own name. Its alternate exchange is the dead-letter exchange.
+    pub fn route_exchange(&self) -> String {
+        format!("{}.route", self.queue)
+    }
+
+    /// The consistent-hash exchange earlier versions put in front of the partition queues.
+    /// Its ring moves keys at a broker restart; start-up refuses a group that still has it.
+    pub(super) fn legacy_hash_exchange(&self) -> String {
         format!("{}.hash", self.queue)
     }
 
-    /// The name of partition queue `p` of an ordered group: zero-padded, so that sorted
-    /// order is creation order (the hash ring is rebuilt from bindings in sorted order).
+    /// The name of partition queue `p` of an ordered group (zero-padded).
     pub fn partition_queue(&self, p: u16) -> String {
         let partitions = self.ordered.as_ref().map_or(1, |o| o.partitions.get());
         let width = (partitions - 1).max(10).ilog10() as usize + 1;
         format!("{}.p{p:0width$}", self.queue)
+    }
+
+    /// The partition of a key: CRC-32 (IEEE, as zlib's `crc32`) of the UTF-8 bytes of
+    /// `aggregate_type`, one zero byte and `aggregate_id`, modulo the partition count. It
+    /// depends on nothing else, so a key's partition never changes while the count does not.
+    pub fn partition_of(&self, aggregate_type: &str, aggregate_id: &str) -> u16 {
+        let partitions = self.ordered.as_ref().map_or(1, |o| o.partitions.get());
+        let mut h = crc32fast::Hasher::new();
+        h.update(aggregate_type.as_bytes());
+        h.update(&[0]);
+        h.update(aggregate_id.as_bytes());
+        (h.finalize() % u32::from(partitions)) as u16
     }
 
     /// The longest one event can stay unacked while it is retried in place: every attempt
@@ -353,7 +377,28 @@ mod tests {
     }
 
     #[test]
-    fn partition_queues_sort_in_creation_order() {
+    fn a_keys_partition_is_the_crc32_of_the_key() {
+        // The figures Python's zlib.crc32(b"<type>\0<id>") % n gives: a router in another
+        // language computes the same partitions.
+        let mut c = config();
+        c.ordered = Some(Ordered::default());
+        assert_eq!(
+            [
+                c.partition_of("acct", "k98"),
+                c.partition_of("order", "42"),
+                c.partition_of("acct", "k1")
+            ],
+            [2, 5, 3]
+        );
+        c.ordered = Some(Ordered {
+            partitions: NonZeroU16::new(120).unwrap(),
+            ..Ordered::default()
+        });
+        assert_eq!(c.partition_of("acct", "k98"), 106);
+    }
+
+    #[test]
+    fn partition_queues_are_zero_padded() {
         let mut c = config();
         c.ordered = Some(Ordered::default());
         assert_eq!(c.partition_queue(3), "billing.p03");
@@ -362,6 +407,6 @@ mod tests {
             ..Ordered::default()
         });
         assert_eq!(c.partition_queue(7), "billing.p007");
-        assert_eq!(c.hash_exchange(), "billing.hash");
+        assert_eq!(c.intake_queue(), "billing.intake");
     }
 }

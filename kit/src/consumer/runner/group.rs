@@ -1,5 +1,6 @@
-//! An ordered group's member: its heartbeat in Postgres, the partitions it owns, and the
-//! drain of released keys' held events. One `select!` over a closed set of wake-ups
+//! An ordered group's member: its heartbeat in Postgres, the partitions it owns, its
+//! router (`router`: intake to partition queues), and the drain of released keys' held
+//! events. One `select!` over a closed set of wake-ups
 //! ([`Wake`]) per AMQP session.
 //!
 //! Assignment: every `member_lease / 3` the member renews its lease (`outbox_group_beat`,
@@ -36,6 +37,8 @@ const BEAT: &str = "SELECT m FROM outbox_group_beat($1, $2, $3) AS m";
 const LEAVE: &str = "SELECT outbox_group_leave($1, $2)";
 /// How often the owned partitions are checked for released keys with held events.
 const DRAIN_EVERY: Duration = Duration::from_secs(1);
+/// How long a router that ended waits before it starts again (at the next heartbeat).
+const ROUTER_RESTART: Duration = Duration::from_secs(1);
 
 /// A member id: the connection name, the process id and a random part, so that two
 /// instances never share one.
@@ -66,6 +69,7 @@ enum Wake {
     Beat,
     Drain,
     PartitionEnded(u16, Result<(), String>),
+    RouterEnded(Result<(), String>),
     Drained,
 }
 
@@ -90,6 +94,9 @@ pub(super) async fn run<H: Handler>(
         FuturesUnordered::new();
     let mut task_partition: HashMap<tokio::task::Id, u16> = HashMap::new();
     let mut drain: Option<JoinHandle<()>> = None;
+    // Every member runs a router; the intake's single-active-consumer lets one route.
+    let mut router: Option<JoinHandle<Result<(), String>>> = None;
+    let mut router_down_since: Option<Instant> = Some(Instant::now() - ROUTER_RESTART);
     let mut beat = tokio::time::interval(ordered.member_lease / 3);
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
@@ -116,6 +123,9 @@ pub(super) async fn run<H: Handler>(
                 }
             },
             _ = async { drain.as_mut().expect("guarded").await }, if drain.is_some() => Wake::Drained,
+            r = async { router.as_mut().expect("guarded").await }, if router.is_some() => {
+                Wake::RouterEnded(r.unwrap_or_else(|e| Err(e.to_string())))
+            }
             _ = beat.tick(), if !stopping.is_cancelled() => Wake::Beat,
             _ = drain_tick.tick(), if !stopping.is_cancelled() && drain.is_none() => Wake::Drain,
         };
@@ -136,7 +146,26 @@ pub(super) async fn run<H: Handler>(
                 task_partition.retain(|_, q| *q != p);
             }
             Wake::Drained => drain = None,
+            Wake::RouterEnded(r) => {
+                router = None;
+                router_down_since = Some(Instant::now());
+                if let Err(why) = r
+                    && !stopping.is_cancelled()
+                {
+                    events::router_ended(&cfg.name, &why);
+                }
+            }
             Wake::Beat => {
+                if router.is_none()
+                    && router_down_since.is_some_and(|t| t.elapsed() >= ROUTER_RESTART)
+                {
+                    router_down_since = None;
+                    router = Some(tokio::spawn(super::router::route(
+                        cfg.clone(),
+                        conn.clone(),
+                        stopping.child_token(),
+                    )));
+                }
                 let (want, n) = match heartbeat(&shared, member, ordered).await {
                     Ok(members) => {
                         last_beat = Instant::now();
@@ -203,7 +232,7 @@ pub(super) async fn run<H: Handler>(
                 }));
             }
         }
-        if stopping.is_cancelled() && tasks.is_empty() && drain.is_none() {
+        if stopping.is_cancelled() && tasks.is_empty() && drain.is_none() && router.is_none() {
             break;
         }
     }

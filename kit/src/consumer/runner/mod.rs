@@ -6,8 +6,9 @@
 //! delay tier (`retry_min`, doubling, up to `retry_max`), each with a queue-wide
 //! `x-message-ttl` and dead-lettering back to the main queue, and then acks the original
 //! (one TTL per queue, because RabbitMQ expires messages only at a queue's head). Ordered
-//! ([`Ordered`]): the consumer is a group; its events are spread by key over partition
-//! queues behind a consistent-hash exchange; each partition has one active consumer
+//! ([`Ordered`]): the consumer is a group; its events enter an intake queue, and a router
+//! moves each to the partition queue of its key (a fixed function of the key, so it holds
+//! across broker restarts); the intake and each partition have one active consumer
 //! (single-active-consumer), the group's live members share the partitions (heartbeats in
 //! Postgres), and inside a member a key's events run one after another while keys run
 //! concurrently. A failure is retried in place and holds its key only; no timer ever gives
@@ -16,13 +17,14 @@
 //! Topology the runner declares (unless `declare` is off): the source exchange (durable
 //! topic), the dead-letter exchange `<queue>.dlx` (fanout) with queue `<queue>.dlq`, and
 //! either the queue with its bindings and retry queues `<queue>.retry.<ms>ms`, or (ordered)
-//! the hash exchange `<queue>.hash` bound to the source with the bindings and the partition
-//! queues `<queue>.p00`, `<queue>.p01`, ...
+//! the intake queue `<queue>.intake` bound to the source with the bindings, the route
+//! exchange `<queue>.route` and the partition queues `<queue>.p00`, `<queue>.p01`, ...
 //!
 //! The parts, in the order a message meets them: `config` (the settings and the names
 //! they imply), `session` (connect, declare, the unordered consume loop; this file's [`run`]
 //! reconnects around it), `group` (an ordered member: heartbeat, assignment, drain of
-//! released keys) and `partition` (one partition queue's key lanes), `message` (a
+//! released keys), `router` (intake to partition queues) and `partition` (one partition
+//! queue's key lanes), `message` (a
 //! delivery's headers parsed into a [`Message`]), `process` (the inbox transaction around
 //! the [`Handler`], in-place retries), `settle` (ack, retry tier, dead letter, each copy
 //! published with a confirm on a channel replaced when it only nacks).
@@ -38,6 +40,7 @@ mod handler;
 mod message;
 mod partition;
 mod process;
+mod router;
 mod session;
 mod settle;
 

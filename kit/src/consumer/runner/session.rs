@@ -1,5 +1,5 @@
 //! One AMQP session of the runner: connect, declare the topology (a queue with retry
-//! queues, or an ordered group's hash exchange and partition queues), open a consume
+//! queues, or an ordered group's intake queue, route exchange and partition queues), open a consume
 //! channel (with the prefetch) and a confirm-mode publish channel, and the unordered consume
 //! loop, one `select!` over a closed set of wake-ups ([`Wake`]). `run` reconnects around
 //! it; an ordered group's member (`group`) runs on the same session instead of the loop.
@@ -17,7 +17,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-    ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
@@ -25,7 +25,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{self, AmqpError, AmqpTarget, long_string};
 use crate::consumer::events;
-use crate::contract::headers::AGGREGATE_ID as H_AGGREGATE_ID;
 
 use super::process::{Shared, process};
 use super::{ConsumerConfig, Handler, RPC_TIMEOUT};
@@ -71,13 +70,6 @@ async fn rpc<T>(
 /// apart from what a reconnect may fix.
 fn refused_or_failed(what: &str, e: AmqpError) -> Opened {
     let text = e.to_string();
-    // The broker's answer (3.10): "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'"
-    // (tests/it/groups.rs pins the text).
-    if text.contains("unknown exchange type") && text.contains("x-consistent-hash") {
-        return Opened::Refused(format!(
-            "{what}: {text}; the broker does not know the exchange type x-consistent-hash: enable the rabbitmq_consistent_hash_exchange plugin (rabbitmq-plugins enable rabbitmq_consistent_hash_exchange)"
-        ));
-    }
     // PRECONDITION_FAILED / ACCESS_REFUSED / NOT_FOUND on a declaration.
     if text.contains("PRECONDITION_FAILED")
         || text.contains("ACCESS_REFUSED")
@@ -99,7 +91,7 @@ impl Session {
             let consume = rpc("channel.open", conn.create_channel()).await?;
             if cfg.declare {
                 if cfg.ordered.is_some() {
-                    declare_group(&consume, cfg).await?;
+                    declare_group(&consume, &conn, cfg).await?;
                 } else {
                     declare(&consume, cfg).await?;
                 }
@@ -309,22 +301,53 @@ async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
 }
 
 /// An ordered group's topology: the source exchange, the dead-letter exchange and queue,
-/// the consistent-hash exchange `<queue>.hash` (hashing `x-outbox-aggregate-id`, which the
-/// relay sends as a long string, so a key's events share a partition) bound to the source
-/// with each binding, and the partition queues, single-active-consumer, bound to the hash
-/// exchange with weight "1" in sorted order (after a full broker restart the plugin rebuilds
-/// its ring from the bindings in sorted order, so the ring stays the same).
-async fn declare_group(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
+/// the intake queue (single-active-consumer) bound to the source with each binding, the
+/// route exchange (direct, its alternate exchange the dead-letter exchange) and the
+/// partition queues (single-active-consumer), each bound to the route exchange with its
+/// own name. Refused while the consistent-hash exchange of an earlier version is there.
+async fn declare_group(
+    ch: &Channel,
+    conn: &Connection,
+    cfg: &ConsumerConfig,
+) -> Result<(), Opened> {
     let ordered = cfg.ordered.as_ref().expect("a group is ordered");
+    refuse_legacy_hash_exchange(conn, cfg).await?;
     let (dlx, queue_options) = declare_source_and_dead_letters(ch, cfg).await?;
-    let hash = cfg.hash_exchange();
+    let single_active = |dead_letters: bool| {
+        let mut args = FieldTable::default();
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        if dead_letters {
+            args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
+        }
+        args
+    };
+    let intake = cfg.intake_queue();
+    rpc(
+        "queue.declare",
+        ch.queue_declare(intake.as_str().into(), queue_options, single_active(false)),
+    )
+    .await?;
+    for binding in &cfg.bindings {
+        rpc(
+            "queue.bind",
+            ch.queue_bind(
+                intake.as_str().into(),
+                cfg.exchange.as_str().into(),
+                binding.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            ),
+        )
+        .await?;
+    }
+    let route = cfg.route_exchange();
     let mut args = FieldTable::default();
-    args.insert("hash-header".into(), long_string(H_AGGREGATE_ID));
+    args.insert("alternate-exchange".into(), long_string(&dlx));
     rpc(
         "exchange.declare",
         ch.exchange_declare(
-            hash.as_str().into(),
-            ExchangeKind::Custom("x-consistent-hash".into()),
+            route.as_str().into(),
+            ExchangeKind::Direct,
             ExchangeDeclareOptions {
                 durable: true,
                 ..ExchangeDeclareOptions::default()
@@ -333,35 +356,19 @@ async fn declare_group(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened>
         ),
     )
     .await?;
-    for binding in &cfg.bindings {
-        rpc(
-            "exchange.bind",
-            ch.exchange_bind(
-                hash.as_str().into(),
-                cfg.exchange.as_str().into(),
-                binding.as_str().into(),
-                ExchangeBindOptions::default(),
-                FieldTable::default(),
-            ),
-        )
-        .await?;
-    }
     for p in 0..ordered.partitions.get() {
         let queue = cfg.partition_queue(p);
-        let mut args = FieldTable::default();
-        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-        args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
         rpc(
             "queue.declare",
-            ch.queue_declare(queue.as_str().into(), queue_options, args),
+            ch.queue_declare(queue.as_str().into(), queue_options, single_active(true)),
         )
         .await?;
         rpc(
             "queue.bind",
             ch.queue_bind(
                 queue.as_str().into(),
-                hash.as_str().into(),
-                "1".into(),
+                route.as_str().into(),
+                queue.as_str().into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
             ),
@@ -371,24 +378,28 @@ async fn declare_group(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened>
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError};
-
-    #[test]
-    fn a_missing_hash_exchange_plugin_is_named() {
-        let broker = AMQPError::new(
-            AMQPErrorKind::Hard(AMQPHardError::COMMANDINVALID),
-            "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'".into(),
-        );
-        let e = AmqpError::Amqp(lapin::ErrorKind::ProtocolError(broker).into());
-        let Opened::Refused(why) = refused_or_failed("exchange.declare", e) else {
-            panic!("a missing plugin is not worth retrying")
-        };
-        assert!(
-            why.contains("enable the rabbitmq_consistent_hash_exchange plugin"),
-            "{why}"
-        );
+/// An earlier version spread a group's events with a consistent-hash exchange
+/// `<queue>.hash`, whose ring moves keys to other partitions at a broker restart. While it
+/// is bound it would keep putting events into the partition queues beside the router, so
+/// start-up stops with what to do.
+async fn refuse_legacy_hash_exchange(
+    conn: &Connection,
+    cfg: &ConsumerConfig,
+) -> Result<(), Opened> {
+    let hash = cfg.legacy_hash_exchange();
+    // A passive declare of a missing exchange closes its channel: use one of its own.
+    let ch = rpc("channel.open", conn.create_channel()).await?;
+    let found = amqp::declare_exchange(&ch, &hash, ExchangeKind::Topic, true).await;
+    match found {
+        Ok(()) => {
+            let _ = tokio::time::timeout(RPC_TIMEOUT, ch.close(200, "checked".into())).await;
+            Err(Opened::Refused(format!(
+                "the group still has the consistent-hash exchange '{hash}' of an earlier version, which moves keys between partitions when the broker restarts; unbind it from '{}' (new events then wait in '{}'), let the earlier version's members empty the partition queues, delete '{hash}' (rabbitmqctl delete_exchange {hash}) and start again",
+                cfg.exchange,
+                cfg.intake_queue()
+            )))
+        }
+        Err(e) if e.to_string().contains("NOT_FOUND") => Ok(()),
+        Err(e) => Err(Opened::Failed(format!("checking for '{hash}': {e}"))),
     }
 }

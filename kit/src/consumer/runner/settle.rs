@@ -251,7 +251,11 @@ async fn publish_confirmed(
 }
 
 /// `props` with its headers plus `extra` (and the original routing key).
-fn with_headers(props: &BasicProperties, routing_key: &str, extra: FieldTable) -> BasicProperties {
+pub(super) fn with_headers(
+    props: &BasicProperties,
+    routing_key: &str,
+    extra: FieldTable,
+) -> BasicProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(H_ROUTING_KEY.into(), long_string(routing_key));
     for (k, v) in extra.inner() {

@@ -179,11 +179,12 @@ fn config(ctx: &Ctx, tag: &str, mode: Mode) -> ConsumerConfig {
     c
 }
 
-/// The queues the consumer reads: its queue, or its partition queues.
+/// The queues the consumer reads: its queue, or its partition queues and intake queue.
 fn queues(cfg: &ConsumerConfig) -> Vec<String> {
     match &cfg.ordered {
         Some(o) => (0..o.partitions.get())
             .map(|p| cfg.partition_queue(p))
+            .chain([cfg.intake_queue()])
             .collect(),
         None => vec![cfg.queue.clone()],
     }
@@ -449,7 +450,7 @@ async fn cleanup(amqp: &AmqpTarget, cfg: &ConsumerConfig) {
         }
         let mut xs = vec![cfg.exchange.clone(), format!("{}.dlx", cfg.queue)];
         if cfg.ordered.is_some() {
-            xs.push(cfg.hash_exchange());
+            xs.push(cfg.route_exchange());
         }
         for x in xs {
             let _ = ch

@@ -57,8 +57,8 @@ pub(super) async fn drive(
         "the relays did not take the 64 partitions within 60 s; see {}",
         work.display()
     );
-    // Every instance is a live member of the group and every partition queue is consumed.
-    let partition_queues = consumer::partition_queues(queue, &world.exchange);
+    // Every instance is a live member of the group and every group queue is consumed.
+    let group_queues = consumer::group_queues(queue, &world.exchange);
     let consuming = wait_until(
         Duration::from_secs(60),
         Duration::from_millis(300),
@@ -73,7 +73,7 @@ pub(super) async fn drive(
             if (members as usize) < world.consumers.len() {
                 return false;
             }
-            for q in &partition_queues {
+            for q in &group_queues {
                 if queue_depth(&world.amqp, q)
                     .await
                     .is_none_or(|(_, consumers)| consumers == 0)
@@ -87,15 +87,15 @@ pub(super) async fn drive(
     .await;
     anyhow::ensure!(
         consuming,
-        "the consumer group did not have {} members consuming its {} partition queues within 60 s; see {}",
+        "the consumer group did not have {} members consuming its {} queues (partitions and intake) within 60 s; see {}",
         world.consumers.len(),
-        partition_queues.len(),
+        group_queues.len(),
         work.display()
     );
     println!(
         "relays hold the partitions, {} consumer instances share the group's {} partitions; producing",
         world.consumers.len(),
-        partition_queues.len()
+        group_queues.len() - 1
     );
 
     // Producers.

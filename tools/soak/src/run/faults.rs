@@ -269,7 +269,7 @@ impl World {
         }
         tokio::time::sleep(Duration::from_millis(stop_ms)).await;
         let mut backlog = 0;
-        for q in consumer::partition_queues(&self.queue, &self.exchange) {
+        for q in consumer::group_queues(&self.queue, &self.exchange) {
             backlog += queue_depth(&self.amqp, &q).await.map_or(0, |(n, _)| n);
         }
         for slot in &self.consumers {

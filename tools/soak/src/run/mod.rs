@@ -42,9 +42,6 @@ pub enum Services {
     Shared,
 }
 
-/// The consumer kit's consumer groups route by key through this plugin's exchange type.
-pub const RABBITMQ_PLUGINS: &[&str] = &["rabbitmq_consistent_hash_exchange"];
-
 /// The private services of a run; dropping them stops them and deletes their data, then
 /// the directory that held them (fields drop in this order).
 pub(crate) struct Own {
@@ -64,9 +61,9 @@ impl Drop for EmptyDir {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// `own`: a private Postgres server and RabbitMQ node for this run (with the
-    /// consistent-hash exchange plugin), which the schedule restarts; `shared`: the
-    /// servers of --database-url and --amqp-url, never restarted.
+    /// `own`: a private Postgres server and RabbitMQ node for this run, which the
+    /// schedule restarts; `shared`: the servers of --database-url and --amqp-url, never
+    /// restarted.
     #[arg(long, value_enum, default_value_t = Services::Own)]
     pub services: Services,
     /// How long producers run and faults are injected (the quiet period comes after).
@@ -226,7 +223,7 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<bool> {
                 &format!("outbox-soak-{}", std::process::id()),
                 1,
                 &base.join("rabbitmq"),
-                RABBITMQ_PLUGINS,
+                &[],
             )
             .await
             .map_err(anyhow::Error::msg)?;

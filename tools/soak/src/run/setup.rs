@@ -321,7 +321,7 @@ async fn cleanup_broker(amqp: &AmqpTarget, exchange: &str, queue: &str, tap: &st
     };
     if let Ok(ch) = conn.create_channel().await {
         let mut queues = vec![queue.to_owned(), format!("{queue}.dlq"), tap.to_owned()];
-        queues.extend(consumer::partition_queues(queue, exchange));
+        queues.extend(consumer::group_queues(queue, exchange));
         for ms in [100, 200, 400, 800, 1000] {
             queues.push(format!("{queue}.retry.{ms}ms"));
         }
@@ -330,7 +330,7 @@ async fn cleanup_broker(amqp: &AmqpTarget, exchange: &str, queue: &str, tap: &st
         }
         for x in [
             format!("{queue}.dlx"),
-            format!("{queue}.hash"),
+            format!("{queue}.route"),
             exchange.to_owned(),
         ] {
             let _ = ch
