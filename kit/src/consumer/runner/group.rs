@@ -26,6 +26,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::amqp::AmqpTarget;
 use crate::consumer::{events, inbox};
 use crate::db::{DbError, deadline};
 
@@ -82,6 +83,7 @@ pub(super) async fn run<H: Handler>(
     shared: Arc<Shared>,
     handler: Arc<H>,
     conn: Arc<Connection>,
+    amqp: &AmqpTarget,
     member: &str,
     lost: &CancellationToken,
     shutdown: &CancellationToken,
@@ -162,7 +164,7 @@ pub(super) async fn run<H: Handler>(
                     router_down_since = None;
                     router = Some(tokio::spawn(super::router::route(
                         cfg.clone(),
-                        conn.clone(),
+                        amqp.clone(),
                         stopping.child_token(),
                     )));
                 }

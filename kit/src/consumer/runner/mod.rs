@@ -188,6 +188,7 @@ pub async fn run<H: Handler>(
                 shared,
                 handler.clone(),
                 session.conn.clone(),
+                &deps.amqp,
                 &member,
                 &session.lost,
                 &shutdown,

@@ -2,7 +2,9 @@
 //! partition queue of their key ([`ConsumerConfig::partition_of`]), one key's events one
 //! after another in the intake's order. Every member runs one; the intake queue is
 //! single-active-consumer, so one routes at a time and another takes over when its channel
-//! closes (or its connection dies).
+//! closes (or its connection dies). It has a connection of its own: a broker under a
+//! memory or disk alarm blocks the connections that publish, and the member's partition
+//! consumers must still be able to ack (which frees what the alarm is about).
 //!
 //! Why a router of our own rather than the broker's consistent-hash exchange: that
 //! exchange keeps its ring in memory and, after a node restart, rebuilds it from bindings
@@ -32,10 +34,10 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Confirmation, Connection};
+use lapin::{Channel, Confirmation};
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp;
+use crate::amqp::{self, AmqpTarget};
 
 use super::message::{key_of, original_routing_key};
 use super::settle::with_headers;
@@ -49,9 +51,26 @@ const PREFETCH: u16 = 512;
 /// asked to.
 pub(super) async fn route(
     cfg: Arc<ConsumerConfig>,
-    conn: Arc<Connection>,
+    target: AmqpTarget,
     stop: CancellationToken,
 ) -> Result<(), String> {
+    let name = format!("{} router", cfg.connection_name);
+    let conn = tokio::select! {
+        _ = stop.cancelled() => return Ok(()),
+        c = target.connect(&name) => c.map_err(|e| e.to_string())?,
+    };
+    let ended = route_on(&cfg, &conn, &stop).await;
+    let _ = tokio::time::timeout(RPC_TIMEOUT, conn.close(200, "router stopped".into())).await;
+    ended
+}
+
+async fn route_on(
+    cfg: &ConsumerConfig,
+    conn: &lapin::Connection,
+    stop: &CancellationToken,
+) -> Result<(), String> {
+    let lost = amqp::connection_lost(conn);
+    let mut lost = std::pin::pin!(lost);
     let open = async {
         let consume = amqp::rpc("channel.open", conn.create_channel()).await?;
         let publish = amqp::rpc("channel.open", conn.create_channel()).await?;
@@ -84,7 +103,7 @@ pub(super) async fn route(
     let mut waiting: HashMap<Option<(String, String)>, VecDeque<Delivery>> = HashMap::new();
     let mut flying = FuturesUnordered::new();
     let forward = |key: Option<(String, String)>, d: Delivery| {
-        let (publish, exchange, cfg) = (&publish, &exchange, &cfg);
+        let (publish, exchange) = (&publish, &exchange);
         async move {
             let p = key.as_ref().map_or(0, |(t, id)| cfg.partition_of(t, id));
             let sent = forward(publish, exchange, &cfg.partition_queue(p), &d).await;
@@ -100,6 +119,10 @@ pub(super) async fn route(
         tokio::select! {
             biased;
             _ = stop.cancelled(), if taking => taking = false,
+            why = &mut lost, if taking => {
+                taking = false;
+                ended = Err(why);
+            }
             Some((key, d, sent)) = flying.next(), if !flying.is_empty() => {
                 let (d, sent): (Delivery, Result<(), String>) = (d, sent);
                 if let Err(e) = sent {
