@@ -1,19 +1,22 @@
 //! The effects ledger's edges: a worker whose claim was taken over while it was sending
 //! learns the row is not its own and withdraws its item (or records it as a stray when the
 //! destination keeps it); an in-doubt effect whose lookup fails stays in doubt; a claim's
-//! lease must outlive a send, from SQL as from Rust.
+//! lease must outlive a send, from SQL as from Rust, and a claim held past its lease is
+//! given back unsent.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_kit::consumer::effects::{EffectError, EffectState, Ledger, NewEffect, Performed};
+use outbox_kit::consumer::effects::{
+    EffectError, EffectState, EffectsConfig, Ledger, NewEffect, Performed,
+};
 use outbox_kit::consumer::{Destination, DestinationError, Effect};
 use serde_json::json;
 use tokio::sync::Notify;
 use tokio_postgres::Client;
 
-use crate::support::TestDb;
 use crate::support::kit::{FakeDest, ledger};
+use crate::support::{TestDb, wait_for};
 
 async fn enqueue(client: &Client, key: &str) -> i64 {
     Ledger::enqueue(
@@ -120,6 +123,80 @@ async fn a_stray_that_cannot_be_withdrawn_is_recorded() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(strays, [("w1".to_owned(), external_id)]);
+}
+
+/// A claim held past what its lease covers is given back unsent. Here the claim waits on a
+/// row lock (as a paused process would wait): the database starts the lease when the
+/// statement starts, so the claim it finally grants has already run out, and a reconciler
+/// could decide about the row while the worker sends. The worker must not send; claiming
+/// again gives a fresh lease and sends once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_held_past_its_lease_is_given_back_unsent() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let id = enqueue(&client, "receipt").await;
+    let short = Ledger::new(
+        EffectsConfig::new(
+            "w1",
+            Duration::from_millis(100),
+            Duration::from_millis(100),
+            Duration::from_millis(400),
+        )
+        .unwrap(),
+    );
+    let dest = Arc::new(FakeDest::new("mail", false));
+    let mut locker = db.client().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM outbox_effects WHERE id = $1 FOR UPDATE",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    let w1 = {
+        let (dest, client) = (dest.clone(), db.client().await);
+        tokio::spawn(async move { short.perform(&client, "receipt", &*dest).await })
+    };
+    wait_for(
+        "the claim waiting on the lock",
+        Duration::from_secs(20),
+        || async {
+            let waiting: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                  WHERE wait_event_type = 'Lock' AND query LIKE '%outbox_effect_claim%'",
+                    &[],
+                )
+                .await
+                .ok()?
+                .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    // Longer than the lease leaves for a send and its write-back (400 - 100 - 100 ms).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    lock.commit().await.unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(20), w1)
+        .await
+        .expect("worker 1 finishes")
+        .unwrap();
+    assert!(
+        matches!(outcome, Err(EffectError::LeaseRunOut { .. })),
+        "{outcome:?}"
+    );
+    assert!(outcome.unwrap_err().is_transient());
+    assert_eq!(
+        dest.total_accepted(),
+        0,
+        "nothing sent under a lease that ran out"
+    );
+    let row = Ledger::get(&client, "receipt").await.unwrap().unwrap();
+    assert_eq!(row.state, EffectState::Queued, "the claim was given back");
+
+    let again = ledger("w1").perform(&client, "receipt", &*dest).await;
+    assert!(matches!(again, Ok(Performed::Sent { .. })), "{again:?}");
+    assert_eq!(dest.accepted("receipt"), 1);
 }
 
 /// A destination whose lookup cannot answer (a terminal error), sends otherwise succeed.

@@ -30,6 +30,18 @@ pub enum EffectError {
         /// Why its outcome is unknown.
         reason: String,
     },
+    /// The claim was held so long before its send (a paused process, a claim that waited
+    /// on a lock) that its lease might have run out; nothing was sent and the claim was
+    /// given back. Transient: claiming again gives a fresh lease.
+    #[error(
+        "effect {key}: claim held {held:?} before sending, past what its lease covers; given back unsent"
+    )]
+    LeaseRunOut {
+        /// The effect's key.
+        key: String,
+        /// How long the claim had been held.
+        held: std::time::Duration,
+    },
     /// The database failed.
     #[error(transparent)]
     Db(#[from] DbError),
@@ -40,6 +52,7 @@ impl EffectError {
     pub fn is_transient(&self) -> bool {
         match self {
             EffectError::OutOfBudget(_) | EffectError::InDoubt { .. } => false,
+            EffectError::LeaseRunOut { .. } => true,
             EffectError::Destination(e) => e.is_transient(),
             EffectError::Db(e) => e.is_transient(),
         }

@@ -7,7 +7,7 @@
 //! (or left for review), never sent again blindly.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, GenericClient};
 
@@ -187,17 +187,33 @@ impl Ledger {
     /// Errors leave the ledger consistent: transient destination errors queue the effect
     /// again (with the reservation), terminal ones fail it (releasing the reservation),
     /// out of budget leaves it queued and unclaimed.
+    ///
+    /// Nothing goes to the destination once the claim's lease may have run out: the lease
+    /// is counted from before the claim was asked for (the database starts it when the
+    /// statement starts, also when the claim then waited on a lock), and a lookup or a send
+    /// starts only while the lease still covers it and the write-back. Past that (the
+    /// process was paused, the claim waited), the reconciler may already have decided about
+    /// the row; the claim is given back and [`EffectError::LeaseRunOut`] says to try again.
     pub async fn perform<D: Destination>(
         &self,
         client: &Client,
         key: &str,
         dest: &D,
     ) -> Result<Performed, EffectError> {
+        let asked = Instant::now();
         let Some(claimed) = self.claim(client, key).await? else {
             let state = Ledger::get(client, key).await?.map(|r| r.state);
             return Ok(Performed::NotClaimed { state });
         };
         let effect = &claimed.effect;
+        // Before each destination call: that call, then the write-back, within the lease.
+        let covered = |calls: u32| {
+            asked.elapsed() + self.cfg.send_timeout * calls + self.cfg.write_timeout
+                < self.cfg.lease
+        };
+        if !covered(if claimed.uncertain { 2 } else { 1 }) {
+            return Err(self.lease_run_out(client, effect, asked).await);
+        }
         if claimed.uncertain {
             if !dest.supports_lookup() {
                 return Err(EffectError::InDoubt {
@@ -211,7 +227,11 @@ impl Ledger {
                         .written_back(client, effect, dest, external_id, true)
                         .await;
                 }
-                Ok(None) => {} // it never arrived: sending is not blind now
+                // It never arrived: sending is not blind now, if the lease still covers it.
+                Ok(None) if !covered(1) => {
+                    return Err(self.lease_run_out(client, effect, asked).await);
+                }
+                Ok(None) => {}
                 Err(DestinationError::Terminal(reason)) => {
                     // The lookup cannot answer, so the earlier attempt may still be out:
                     // "failed" would invite a resend and release the budget. It stays in
@@ -233,6 +253,24 @@ impl Ledger {
                     .await
             }
             Err(e) => self.not_sent(client, effect, dest, e).await,
+        }
+    }
+
+    /// The claim is held too long to send under it: given back (queued again if still
+    /// ours), and the error that says so.
+    async fn lease_run_out(&self, client: &Client, effect: &Effect, asked: Instant) -> EffectError {
+        let held = asked.elapsed();
+        let reason = format!(
+            "the claim was held {held:?} before sending, too long for its {:?} lease",
+            self.cfg.lease
+        );
+        tracing::warn!(target: "outbox_relay", effect = effect.key, reason, "claim held too long; given back without sending");
+        if let Err(e) = self.retry(client, effect.id, &reason, false).await {
+            return EffectError::Db(e);
+        }
+        EffectError::LeaseRunOut {
+            key: effect.key.clone(),
+            held,
         }
     }
 
