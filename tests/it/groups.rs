@@ -878,8 +878,15 @@ async fn queue_depth(queue: &str) -> u32 {
 }
 
 /// Messages ready in `queue` on the broker at `url`, and its consumers; None when it cannot
-/// be read.
+/// be read within 10 s (a connection made while the node restarts can hang).
 async fn passive_on(url: &str, queue: &str) -> Option<(u32, u32)> {
+    tokio::time::timeout(Duration::from_secs(10), passive_once(url, queue))
+        .await
+        .ok()
+        .flatten()
+}
+
+async fn passive_once(url: &str, queue: &str) -> Option<(u32, u32)> {
     let conn = AmqpTarget::parse(url)
         .ok()?
         .connect("outbox-it-depth")

@@ -72,7 +72,10 @@ where
 {
     let start = Instant::now();
     loop {
-        if let Some(v) = check().await {
+        // A check that hangs (a connection to a broker that is restarting) must not outlive
+        // the deadline: it is cut off there and counts as not yet.
+        let left = limit.saturating_sub(start.elapsed()) + Duration::from_secs(1);
+        if let Ok(Some(v)) = tokio::time::timeout(left, check()).await {
             return v;
         }
         if start.elapsed() > limit {
