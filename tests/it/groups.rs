@@ -1211,23 +1211,14 @@ async fn the_sql_functions_alone_give_the_group_rules() {
     assert_eq!(record(3, ids[3]).await, "jumped");
     assert_eq!(record(2, ids[2]).await, "duplicate", "older than the key");
     assert_eq!(record(2, ids[2]).await, "duplicate", "and again");
-    let late: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox_inbox_gaps WHERE action = 'late' AND got_seq = 2",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let late: i64 =
+        one("SELECT count(*) FROM outbox_inbox_gaps WHERE action = 'late' AND got_seq = 2")
+            .await
+            .get(0);
     assert_eq!(late, 1, "an event older than its key is recorded once");
     assert_eq!(record(1, ids[1]).await, "duplicate");
-    let late: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox_inbox_gaps WHERE action = 'late'",
-            &[],
-        )
+    let late: i64 = one("SELECT count(*) FROM outbox_inbox_gaps WHERE action = 'late'")
         .await
-        .unwrap()
         .get(0);
     assert_eq!(late, 1, "a true duplicate is not late");
     c.execute(

@@ -98,7 +98,7 @@ pub(super) async fn run<H: Handler>(
     let mut drain: Option<JoinHandle<()>> = None;
     // Every member runs a router; the intake's single-active-consumer lets one route.
     let mut router: Option<JoinHandle<Result<(), String>>> = None;
-    let mut router_down_since: Option<Instant> = Some(Instant::now() - ROUTER_RESTART);
+    let mut router_due = Instant::now();
     let mut beat = tokio::time::interval(ordered.member_lease / 3);
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
@@ -150,7 +150,7 @@ pub(super) async fn run<H: Handler>(
             Wake::Drained => drain = None,
             Wake::RouterEnded(r) => {
                 router = None;
-                router_down_since = Some(Instant::now());
+                router_due = Instant::now() + ROUTER_RESTART;
                 if let Err(why) = r
                     && !stopping.is_cancelled()
                 {
@@ -158,10 +158,7 @@ pub(super) async fn run<H: Handler>(
                 }
             }
             Wake::Beat => {
-                if router.is_none()
-                    && router_down_since.is_some_and(|t| t.elapsed() >= ROUTER_RESTART)
-                {
-                    router_down_since = None;
+                if router.is_none() && Instant::now() >= router_due {
                     router = Some(tokio::spawn(super::router::route(
                         cfg.clone(),
                         amqp.clone(),

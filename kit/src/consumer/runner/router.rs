@@ -102,7 +102,7 @@ async fn route_on(
     // Per key, the deliveries waiting for the one in flight to be confirmed.
     let mut waiting: HashMap<Option<(String, String)>, VecDeque<Delivery>> = HashMap::new();
     let mut flying = FuturesUnordered::new();
-    let forward = |key: Option<(String, String)>, d: Delivery| {
+    let copy = |key: Option<(String, String)>, d: Delivery| {
         let (publish, exchange) = (&publish, &exchange);
         async move {
             let p = key.as_ref().map_or(0, |(t, id)| cfg.partition_of(t, id));
@@ -142,7 +142,7 @@ async fn route_on(
                     None
                 };
                 match next {
-                    Some(d) => flying.push(forward(key, d)),
+                    Some(d) => flying.push(copy(key, d)),
                     None => {
                         waiting.remove(&key);
                     }
@@ -157,7 +157,7 @@ async fn route_on(
                         Some(queue) if key.is_some() => queue.push_back(d),
                         _ => {
                             waiting.entry(key.clone()).or_default();
-                            flying.push(forward(key, d));
+                            flying.push(copy(key, d));
                         }
                     }
                 }
