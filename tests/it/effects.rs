@@ -138,9 +138,9 @@ async fn a_claim_held_past_its_lease_is_given_back_unsent() {
     let short = Ledger::new(
         EffectsConfig::new(
             "w1",
-            Duration::from_millis(100),
-            Duration::from_millis(100),
-            Duration::from_millis(400),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            Duration::from_millis(3_500),
         )
         .unwrap(),
     );
@@ -174,8 +174,9 @@ async fn a_claim_held_past_its_lease_is_given_back_unsent() {
         },
     )
     .await;
-    // Longer than the lease leaves for a send and its write-back (400 - 100 - 100 ms).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Longer than the lease leaves for a send and its write-back (3.5 - 1 - 1 s). The
+    // timeouts are long enough for the give-back's write on a busy machine.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     lock.commit().await.unwrap();
     let outcome = tokio::time::timeout(Duration::from_secs(20), w1)
         .await
