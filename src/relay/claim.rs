@@ -213,12 +213,21 @@ fn claimed_row(id: i64, row: &Row) -> Result<ClaimedRow, DbError> {
 /// outbox, then a burst) made it read every pending row for each mark (sql/0007,
 /// "Statistics").
 pub const MARK: &str = "UPDATE outbox_events e SET dispatched_at = now(), seq = m.seq
-  FROM unnest($1::bigint[], $2::bigint[]) AS m(id, seq)
+  FROM unnest($1::bigint[], $2::bigint[]) AS m(id, seq),
+       (SELECT set_config('synchronous_commit', 'off', true)) AS async
  WHERE e.id = m.id AND coalesce(e.dispatched_at, e.parked_at) IS NULL";
 
 /// Marks acked rows dispatched, writing the number each was published with (the claim
 /// kept it with the row's key until now). Only [`Acked`] values (broker confirmations
 /// without a return) can be passed. Returns how many rows changed.
+///
+/// The mark commits without waiting for its WAL flush (`synchronous_commit = off` for its
+/// own transaction only): a mark that a Postgres crash loses leaves its rows pending with
+/// their numbers kept by their keys, so they are published again with the same `seq`,
+/// exactly as after a relay killed between ack and mark. WAL is replayed in order, so a
+/// crash keeps every write committed before the last flushed commit: a lost mark never
+/// comes back with a later write of its key (a claim's numbering, which waits for its
+/// flush) kept.
 pub(crate) async fn mark_dispatched<'a>(
     pool: &Pool,
     acked: impl Iterator<Item = &'a Acked>,

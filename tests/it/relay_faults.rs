@@ -1,13 +1,19 @@
 //! Relay core under faults: processes killed, connections cut, SIGTERM, bad configuration.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use lapin::options::QueueDeleteOptions;
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::contract::Schema;
+use outbox_kit::db::DbTarget;
+use outbox_relay::relay::Deps;
+use outbox_testkit::postgres::PrivatePostgres;
 
 use crate::support::checker::check;
 use crate::support::process::{RelayProcess, run_to_end};
 use crate::support::{
-    Broker, InProcessRelay, TestDb, close_connections, test_config, unique, wait_for,
+    Broker, InProcessRelay, TestDb, amqp_url, close_connections, test_config, unique, wait_for,
 };
 
 fn relay_args(db: &TestDb, broker: &Broker, extra: &[&str]) -> Vec<String> {
@@ -247,4 +253,176 @@ async fn boolean_variables_take_1_yes_and_on() {
     assert_eq!(code, 2, "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(err.contains("--no-declare"), "{err}");
+}
+
+/// Marks commit without waiting for their WAL flush. A Postgres crash that loses them
+/// leaves their rows pending: the relay publishes them again with the numbers they had, and
+/// nothing is lost. On a server of its own, whose WAL writer is paused so that nothing but
+/// a commit that waits for its flush writes the marks out; then that process is killed,
+/// which Postgres handles as a crash (every session ends, recovery from the WAL on disk).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marks_a_postgres_crash_loses_are_published_again_with_their_seq() {
+    let dir = std::env::temp_dir().join(format!("outbox-it-pgcrash-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let pg = PrivatePostgres::start(&dir)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let target = DbTarget::parse(&pg.url()).unwrap();
+    let schema = Schema::default();
+    let mut client = target.connect(&schema, "outbox-it").await.unwrap();
+    outbox_kit::schema::migrate(&mut client, &schema)
+        .await
+        .unwrap();
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    // No write of the relay's own commits its marks to disk meanwhile: no wake-up flag
+    // (LISTEN off), and no lease round for 40 s after the first.
+    config.listen = false;
+    config.lease = Duration::from_secs(120);
+    let deps = Deps {
+        pool: target.pool(&schema, "outbox-relay", 8),
+        db: target.clone(),
+        schema: schema.clone(),
+        amqp: AmqpTarget::parse(&amqp_url()).unwrap(),
+        telemetry: Default::default(),
+    };
+    let relay = InProcessRelay::start_with(deps, config, &unique("pgcrash"));
+    wait_for(
+        "the relay leases its partitions",
+        Duration::from_secs(30),
+        || async {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_partitions WHERE owner IS NOT NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n == 64).then_some(())
+        },
+    )
+    .await;
+
+    let walwriter: i32 = client
+        .query_one(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    signal(walwriter, "STOP");
+    let rows = client
+        .query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'k' || (g % 3), 'created', jsonb_build_object('n', g)
+               FROM generate_series(1, 30) AS g
+             RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let committed: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
+    broker.wait_all(&committed, Duration::from_secs(60)).await;
+    wait_for("every row marked", Duration::from_secs(30), || async {
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (n == 0).then_some(())
+    })
+    .await;
+    let first = broker.count();
+
+    signal(walwriter, "KILL");
+    let client = wait_for(
+        "Postgres back after the crash",
+        Duration::from_secs(60),
+        || {
+            let target = target.clone();
+            let schema = schema.clone();
+            async move {
+                let c = target.connect(&schema, "outbox-it").await.ok()?;
+                c.query_one("SELECT 1", &[]).await.ok()?;
+                Some(c)
+            }
+        },
+    )
+    .await;
+    let lost: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        lost > 0,
+        "the crash lost no mark: marks waited for their WAL flush, or something flushed them"
+    );
+
+    // Published again, each with the number it had; then marked for good.
+    wait_for(
+        "lost marks published again",
+        Duration::from_secs(60),
+        || async { (broker.count() >= first + lost as usize).then_some(()) },
+    )
+    .await;
+    wait_for(
+        "every row marked again",
+        Duration::from_secs(60),
+        || async {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
+                    &[],
+                )
+                .await
+                .ok()?
+                .get(0);
+            (n == 0).then_some(())
+        },
+    )
+    .await;
+    relay.stop().await;
+    let received = broker.received();
+    let mut seqs: HashMap<String, HashSet<Option<i64>>> = HashMap::new();
+    for r in &received {
+        seqs.entry(r.message_id.clone())
+            .or_default()
+            .insert(r.seq());
+    }
+    let renumbered: Vec<_> = seqs.iter().filter(|(_, s)| s.len() > 1).collect();
+    assert!(
+        renumbered.is_empty(),
+        "published again with another seq: {renumbered:?}"
+    );
+    let report = check(&committed, &received);
+    report.assert_clean();
+    assert_eq!(report.duplicates as i64, lost, "{report:?}");
+    let numbered: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_events e
+              WHERE e.seq IS NOT NULL AND e.seq = (SELECT count(*) FROM outbox_events x
+                  WHERE x.aggregate_id = e.aggregate_id AND x.id <= e.id)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(numbered, 30, "each key numbered 1, 2, 3, ... in id order");
+}
+
+fn signal(pid: i32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -{name} {pid}");
 }
