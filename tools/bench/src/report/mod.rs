@@ -73,7 +73,7 @@ pub struct Results {
 
 /// One target and how far the run is from it.
 pub struct Target {
-    pub name: &'static str,
+    pub name: String,
     pub goal: String,
     pub measured: String,
     pub met: Option<bool>,
@@ -186,21 +186,21 @@ impl Results {
         let mut t = Vec::new();
         let dr = self.drain_ratio();
         t.push(Target {
-            name: "drain rate vs broker ceiling",
+            name: "drain rate vs broker ceiling".into(),
             goal: ">= 0.90".into(),
             measured: dr.map_or("not measured".into(), |r| format!("{r:.2}")),
             met: dr.and_then(|r| yes(r >= 0.90)),
         });
         let br = self.busy_ratio();
         t.push(Target {
-            name: "producer commits/s, relay busy, vs table without triggers",
+            name: "producer commits/s, relay busy, vs table without triggers".into(),
             goal: ">= 0.90".into(),
             measured: br.map_or("not measured".into(), |r| format!("{r:.2}")),
             met: br.and_then(|r| yes(r >= 0.90)),
         });
         let w = ok(&self.producer).filter(|p| p.wakeup.count > 0);
         t.push(Target {
-            name: "idle wake-up latency p99",
+            name: "idle wake-up latency p99".into(),
             goal: "< 50 ms".into(),
             measured: w.map_or("not measured".into(), |p| {
                 format!("{:.1} ms", p.wakeup.p99_ms)
@@ -209,16 +209,36 @@ impl Results {
         });
         let l = self.latency_at(1000, Runner::Relay { listen: true });
         t.push(Target {
-            name: "latency at 1,000/s with LISTEN (p50, p99)",
+            name: "latency at 1,000/s with LISTEN (p50, p99)".into(),
             goal: "< 2 ms, < 5 ms".into(),
             measured: l.map_or("not measured".into(), |l| {
                 format!("{:.1} ms, {:.1} ms", l.summary.p50_ms, l.summary.p99_ms)
             }),
             met: l.map(|l| l.summary.p50_ms < 2.0 && l.summary.p99_ms < 5.0 && l.missing == 0),
         });
+        t.extend(self.steady_targets());
+        let best = self.best_ceiling();
+        t.push(Target {
+            name: "drain rate vs the best broker ceiling (1, 2 or 4 channels, from the sweep)"
+                .into(),
+            goal: ">= 0.90".into(),
+            measured: match (ok(&self.drain), best) {
+                (Some(d), Some((channels, rate))) => format!(
+                    "{:.2} ({} events/s against {} with {channels} channel{})",
+                    d.rate / rate,
+                    thousands(d.rate),
+                    thousands(rate),
+                    if channels == 1 { "" } else { "s" }
+                ),
+                _ => "not measured".into(),
+            },
+            met: ok(&self.drain)
+                .zip(best)
+                .map(|(d, (_, rate))| d.rate / rate >= 0.90),
+        });
         let g = ok(&self.growth).map(Growth::ratio);
         t.push(Target {
-            name: "drain rate with 5M dispatched rows vs empty table",
+            name: "drain rate with 5M dispatched rows vs empty table".into(),
             goal: ">= 0.95".into(),
             measured: g.map_or("not measured".into(), |r| {
                 format!(
@@ -230,12 +250,84 @@ impl Results {
         });
         let m = self.peak_rss_mb();
         t.push(Target {
-            name: "relay peak RSS during drains",
+            name: "relay peak RSS during drains".into(),
             goal: "< 50 MB".into(),
             measured: m.map_or("not measured".into(), |m| format!("{m:.1} MiB")),
             met: m.map(|m| m < 50.0),
         });
         t
+    }
+
+    /// The steady-state targets: at 500/s an absolute latency; at every rate latency and
+    /// Postgres CPU per event against the yardstick's, and the producers' INSERT against
+    /// their INSERT with no relay running.
+    fn steady_targets(&self) -> Vec<Target> {
+        let ours = Runner::Relay { listen: true };
+        let mut t = Vec::new();
+        let l = self.latency_at(500, ours);
+        t.push(Target {
+            name: "latency at 500/s with LISTEN (p50, p99)".into(),
+            goal: "< 1.2 ms, < 3 ms".into(),
+            measured: l.map_or("not measured".into(), |l| {
+                format!("{:.2} ms, {:.2} ms", l.summary.p50_ms, l.summary.p99_ms)
+            }),
+            met: l.map(|l| l.summary.p50_ms < 1.2 && l.summary.p99_ms < 3.0 && l.missing == 0),
+        });
+        for l in self.latency_runs(ours) {
+            let rate = thousands(l.target_rate as f64);
+            if let Some(y) = self.latency_at(l.target_rate, Runner::Yardstick) {
+                let (p50, p99) = (
+                    l.summary.p50_ms / y.summary.p50_ms,
+                    l.summary.p99_ms / y.summary.p99_ms,
+                );
+                t.push(Target {
+                    name: format!("latency at {rate}/s vs the yardstick's (p50, p99)"),
+                    goal: "< 1.00, < 1.00".into(),
+                    measured: format!("{p50:.2}, {p99:.2}"),
+                    met: Some(p50 < 1.0 && p99 < 1.0 && l.missing == 0),
+                });
+                let cpu = |x: &Latency| x.load.per_event(x.load.pg_cpu_s()) * 1e6;
+                let r = cpu(l) / cpu(y);
+                t.push(Target {
+                    name: format!("Postgres CPU per event at {rate}/s vs the yardstick's"),
+                    goal: "<= 1.00".into(),
+                    measured: format!("{r:.2} ({:.0} µs against {:.0} µs)", cpu(l), cpu(y)),
+                    met: Some(r <= 1.0),
+                });
+            }
+            if let Some(b) = self.latency_at(l.target_rate, Runner::NoRelay) {
+                let r = l.insert.p50_ms / b.insert.p50_ms;
+                t.push(Target {
+                    name: format!("producers' INSERT p50 at {rate}/s, relay running vs none"),
+                    goal: "<= 1.10".into(),
+                    measured: format!(
+                        "{r:.2} ({:.2} ms against {:.2} ms)",
+                        l.insert.p50_ms, b.insert.p50_ms
+                    ),
+                    met: Some(r <= 1.10),
+                });
+            }
+        }
+        t
+    }
+
+    /// The highest broker ceiling of the sweep's channel counts (the mean of that count's
+    /// ceilings): `(channels, events/s)`.
+    fn best_ceiling(&self) -> Option<(usize, f64)> {
+        let sw = ok(&self.sweep)?;
+        self.settings
+            .sweep_channels
+            .iter()
+            .filter_map(|c| {
+                let rates: Vec<f64> = sw
+                    .points
+                    .iter()
+                    .filter(|p| p.channels == *c)
+                    .map(|p| p.ceiling.rate)
+                    .collect();
+                (!rates.is_empty()).then(|| (*c, rates.iter().sum::<f64>() / rates.len() as f64))
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1))
     }
 
     /// The sweep as a line chart, when the sweep ran.
