@@ -125,7 +125,36 @@ async fn bench_smoke_measures_every_section() {
     assert!(scale.iter().all(|p| p["rate"].as_f64().unwrap() > 0.0));
     assert!(report["relay_resources"]["peak_rss_mib"].as_f64().unwrap() > 0.0);
     assert_eq!(report["sweep"]["points"].as_array().unwrap().len(), 4);
-    assert_eq!(report["targets"].as_array().unwrap().len(), 6);
+    let targets: Vec<&str> = report["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    // Six drain, producer, wake-up, growth and memory targets; latency at 500/s; three per
+    // latency rate (against the yardstick twice, the producers against no relay); the drain
+    // against the best ceiling of the sweep.
+    assert_eq!(targets.len(), 14, "{targets:?}");
+    for rate in ["200", "1,000"] {
+        for what in [
+            format!("latency at {rate}/s vs the yardstick's (p50, p99)"),
+            format!("Postgres CPU per event at {rate}/s vs the yardstick's"),
+            format!("producers' INSERT p50 at {rate}/s, relay running vs none"),
+        ] {
+            assert!(targets.contains(&what.as_str()), "{what} in {targets:?}");
+        }
+    }
+    // Every target is measured but the one at 500/s, a rate the smoke run does not use.
+    assert!(
+        report["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| (t["measured"] == "not measured")
+                == (t["name"] == "latency at 500/s with LISTEN (p50, p99)")),
+        "{}",
+        report["targets"]
+    );
     assert_eq!(report["errors"].as_array().unwrap().len(), 0);
 
     let svg = std::fs::read_to_string(&svg_path).unwrap();
