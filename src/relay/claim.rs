@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio_postgres::Row;
+use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 use super::hand::Key;
@@ -234,8 +235,13 @@ pub(crate) async fn mark_dispatched<'a>(
 ) -> Result<u64, DbError> {
     let (ids, seqs): (Vec<i64>, Vec<i64>) = acked.map(|a| (a.row_id(), a.seq())).unzip();
     let client = deadline(pool.get()).await?;
-    let stmt = deadline(client.prepare_cached(MARK)).await?;
-    deadline(client.execute(&stmt, &[&ids, &seqs])).await
+    // Planned on every call (an unnamed statement, still one round trip), from the table as
+    // it is then. A prepared statement's cached plan, made while the table was nearly empty
+    // (a relay woken for its first rows), read the whole table for every mark however large
+    // it grew: 1.95 ms per mark at 500 events/s where a fresh plan takes 0.26 ms.
+    let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 2] =
+        [(&ids, Type::INT8_ARRAY), (&seqs, Type::INT8_ARRAY)];
+    deadline(client.execute_typed(MARK, &params)).await
 }
 
 /// `last_error` of a row the broker nacked; `status` and the dashboard find the keys
