@@ -397,18 +397,7 @@ async fn without_listen_the_poll_interval_bounds_latency() {
     config.poll_interval = poll;
     let relay = InProcessRelay::start(&db, config);
     let client = db.client().await;
-    crate::support::wait_for("partitions leased", Duration::from_secs(20), || async {
-        let owned: i64 = client
-            .query_one(
-                "SELECT count(*) FROM outbox_partitions WHERE owner IS NOT NULL",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (owned == 64).then_some(())
-    })
-    .await;
+    crate::support::wait_leased(&client).await;
     let listening: i64 = client
         .query_one(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'outbox-relay-listen'",

@@ -14,6 +14,7 @@ use crate::support::checker::check;
 use crate::support::process::{RelayProcess, run_to_end};
 use crate::support::{
     Broker, InProcessRelay, TestDb, amqp_url, close_connections, test_config, unique, wait_for,
+    wait_leased,
 };
 
 fn relay_args(db: &TestDb, broker: &Broker, extra: &[&str]) -> Vec<String> {
@@ -287,22 +288,7 @@ async fn marks_a_postgres_crash_loses_are_published_again_with_their_seq() {
         telemetry: Default::default(),
     };
     let relay = InProcessRelay::start_with(deps, config, &unique("pgcrash"));
-    wait_for(
-        "the relay leases its partitions",
-        Duration::from_secs(30),
-        || async {
-            let n: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM outbox_partitions WHERE owner IS NOT NULL",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (n == 64).then_some(())
-        },
-    )
-    .await;
+    wait_leased(&client).await;
 
     let walwriter: i32 = client
         .query_one(
@@ -326,15 +312,7 @@ async fn marks_a_postgres_crash_loses_are_published_again_with_their_seq() {
     let committed: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
     broker.wait_all(&committed, Duration::from_secs(60)).await;
     wait_for("every row marked", Duration::from_secs(30), || async {
-        let n: i64 = client
-            .query_one(
-                "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (n == 0).then_some(())
+        (pending(&client).await? == 0).then_some(())
     })
     .await;
     let first = broker.count();
@@ -354,14 +332,7 @@ async fn marks_a_postgres_crash_loses_are_published_again_with_their_seq() {
         },
     )
     .await;
-    let lost: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let lost = pending(&client).await.expect("count pending rows");
     assert!(
         lost > 0,
         "the crash lost no mark: marks waited for their WAL flush, or something flushed them"
@@ -377,17 +348,7 @@ async fn marks_a_postgres_crash_loses_are_published_again_with_their_seq() {
     wait_for(
         "every row marked again",
         Duration::from_secs(60),
-        || async {
-            let n: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
-                    &[],
-                )
-                .await
-                .ok()?
-                .get(0);
-            (n == 0).then_some(())
-        },
+        || async { (pending(&client).await? == 0).then_some(()) },
     )
     .await;
     relay.stop().await;
@@ -417,6 +378,18 @@ async fn marks_a_postgres_crash_loses_are_published_again_with_their_seq() {
         .unwrap()
         .get(0);
     assert_eq!(numbered, 30, "each key numbered 1, 2, 3, ... in id order");
+}
+
+/// Rows not yet marked dispatched; `None` while the server cannot answer.
+async fn pending(client: &tokio_postgres::Client) -> Option<i64> {
+    client
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
+            &[],
+        )
+        .await
+        .ok()
+        .map(|r| r.get(0))
 }
 
 fn signal(pid: i32, name: &str) {

@@ -177,6 +177,22 @@ async fn template() -> &'static str {
         .await
 }
 
+/// Waits (30 s at most) until some relay holds every one of the 64 partitions.
+pub async fn wait_leased(client: &Client) {
+    wait_for("partitions leased", Duration::from_secs(30), || async {
+        let owned: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_partitions WHERE owner IS NOT NULL",
+                &[],
+            )
+            .await
+            .ok()?
+            .get(0);
+        (owned == 64).then_some(())
+    })
+    .await;
+}
+
 /// A fresh, migrated database for one test.
 pub struct TestDb {
     pub name: String,
