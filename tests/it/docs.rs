@@ -321,36 +321,209 @@ fn links(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// The relative links of `page` that name no file or, with a `#fragment` into a Markdown
+/// file, no heading it has.
+fn broken_links(page: &str) -> Vec<String> {
+    let mut broken = Vec::new();
+    let text = read(page);
+    let dir = Path::new(page).parent().unwrap().to_owned();
+    for link in links(&text) {
+        let (path, fragment) = match link.split_once('#') {
+            Some((p, f)) => (p, Some(f)),
+            None => (link.as_str(), None),
+        };
+        let target: PathBuf = if path.is_empty() {
+            PathBuf::from(page)
+        } else {
+            dir.join(path)
+        };
+        let full = Path::new(ROOT).join(&target);
+        if !full.exists() {
+            broken.push(format!("{page}: {link} (no file {})", target.display()));
+            continue;
+        }
+        if let Some(fragment) = fragment.filter(|_| target.extension() == Some("md".as_ref())) {
+            let target_text = std::fs::read_to_string(&full).unwrap();
+            if !anchors(&target_text).iter().any(|a| a == fragment) {
+                broken.push(format!("{page}: {link} (no heading #{fragment})"));
+            }
+        }
+    }
+    broken
+}
+
 /// Every relative link of the user-facing pages names a file that exists and, with a
 /// `#fragment` into a Markdown file, a heading it has.
 #[test]
 fn every_relative_link_resolves() {
-    let mut broken = Vec::new();
-    for page in doc_pages() {
-        let text = read(&page);
-        let dir = Path::new(&page).parent().unwrap().to_owned();
-        for link in links(&text) {
-            let (path, fragment) = match link.split_once('#') {
-                Some((p, f)) => (p, Some(f)),
-                None => (link.as_str(), None),
-            };
-            let target: PathBuf = if path.is_empty() {
-                PathBuf::from(&page)
-            } else {
-                dir.join(path)
-            };
-            let full = Path::new(ROOT).join(&target);
-            if !full.exists() {
-                broken.push(format!("{page}: {link} (no file {})", target.display()));
-                continue;
-            }
-            if let Some(fragment) = fragment.filter(|_| target.extension() == Some("md".as_ref())) {
-                let target_text = std::fs::read_to_string(&full).unwrap();
-                if !anchors(&target_text).iter().any(|a| a == fragment) {
-                    broken.push(format!("{page}: {link} (no heading #{fragment})"));
-                }
+    let broken: Vec<String> = doc_pages().iter().flat_map(|p| broken_links(p)).collect();
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// What ARCHITECTURE.md names in a backticked span: a path (relative to the workspace root)
+/// or a test, as `module::test_name` (a `fn` in `tests/it/<module>.rs`) or
+/// `path.rs::test_name` (a `fn` in that file).
+#[derive(Debug, PartialEq)]
+enum Citation {
+    Path(String),
+    Test { file: String, name: String },
+}
+
+/// Extensions that make a backticked word a path even without a `/` (`Cargo.toml`).
+const FILE_EXTENSIONS: &[&str] = &[
+    "rs", "sql", "md", "sh", "toml", "json", "yaml", "yml", "html", "lock",
+];
+
+/// The citations of one backticked span, if it is one. `modules` are the modules of
+/// tests/it. Code items (`claim::mark_dispatched`, `DbError::is_transient`) and prose in
+/// backticks (`lease/3`, `queued → sending`) are not citations.
+fn citation(span: &str, modules: &[String]) -> Option<Citation> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '/' | '-' | ':');
+    if span.is_empty() || !span.chars().all(plain) {
+        return None;
+    }
+    let test_name = |n: &str| {
+        !n.is_empty()
+            && n.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    };
+    if let Some((head, name)) = span.rsplit_once("::") {
+        if head.ends_with(".rs") && test_name(name) {
+            return Some(Citation::Test {
+                file: head.to_owned(),
+                name: name.to_owned(),
+            });
+        }
+        let module = !head.is_empty() && test_name(head);
+        // A test name reads as a sentence; a code item (`claim::mark_dispatched`) does not.
+        let known = modules.iter().any(|m| m == head);
+        if module && test_name(name) && (known || name.matches('_').count() >= 3) {
+            return Some(Citation::Test {
+                file: format!("tests/it/{head}.rs"),
+                name: name.to_owned(),
+            });
+        }
+        return None;
+    }
+    let segments: Vec<&str> = span.trim_end_matches('/').split('/').collect();
+    let last = segments.last().copied().unwrap_or("");
+    let extension = last
+        .rsplit_once('.')
+        .is_some_and(|(stem, ext)| !stem.is_empty() && FILE_EXTENSIONS.contains(&ext));
+    let looks_like_path = (segments.len() > 1 || span.ends_with('/'))
+        && segments.iter().all(|s| !s.is_empty())
+        && last.chars().any(|c| c.is_ascii_alphabetic());
+    (looks_like_path || extension).then(|| Citation::Path(span.to_owned()))
+}
+
+/// Every citation of `text` (backticked spans outside fenced code blocks), with its line.
+fn citations(text: &str, modules: &[String]) -> Vec<(usize, Citation)> {
+    let mut fence = false;
+    let mut found = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.starts_with("```") {
+            fence = !fence;
+            continue;
+        }
+        if fence {
+            continue;
+        }
+        for span in line.split('`').skip(1).step_by(2) {
+            if let Some(c) = citation(span, modules) {
+                found.push((n + 1, c));
             }
         }
     }
-    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    found
+}
+
+/// What of `cited` does not exist under `root`, one line per citation, saying what is
+/// missing and where.
+fn missing_citations(page: &str, cited: &[(usize, Citation)], root: &Path) -> Vec<String> {
+    let mut missing = Vec::new();
+    for (line, c) in cited {
+        match c {
+            Citation::Path(path) => {
+                if !root.join(path).exists() {
+                    missing.push(format!(
+                        "{page}:{line}: `{path}`: no such file or directory"
+                    ));
+                }
+            }
+            Citation::Test { file, name } => match std::fs::read_to_string(root.join(file)) {
+                Err(_) => missing.push(format!(
+                    "{page}:{line}: `{name}`: no file {file} to hold the test"
+                )),
+                Ok(source) if !source.contains(&format!("fn {name}(")) => {
+                    missing.push(format!("{page}:{line}: `{name}`: no `fn {name}` in {file}"))
+                }
+                Ok(_) => {}
+            },
+        }
+    }
+    missing
+}
+
+/// The modules of the integration test binary: the files of tests/it.
+fn test_modules() -> Vec<String> {
+    std::fs::read_dir(Path::new(ROOT).join("tests/it"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter_map(|n| n.strip_suffix(".rs").map(str::to_owned))
+        .filter(|n| n != "main")
+        .collect()
+}
+
+/// Every path and test ARCHITECTURE.md cites exists, and its relative links resolve. A
+/// rename that leaves the map behind fails here with the line and the citation.
+#[test]
+fn architecture_cites_only_what_exists() {
+    let page = "ARCHITECTURE.md";
+    let cited = citations(&read(page), &test_modules());
+    let tests = cited
+        .iter()
+        .filter(|(_, c)| matches!(c, Citation::Test { .. }))
+        .count();
+    // The map cites dozens of each; far fewer means the parser lost them.
+    assert!(
+        tests >= 40 && cited.len() - tests >= 40,
+        "{page}: only {tests} tests and {} paths found",
+        cited.len() - tests
+    );
+    let mut wrong = missing_citations(page, &cited, Path::new(ROOT));
+    wrong.extend(broken_links(page));
+    assert!(
+        wrong.is_empty(),
+        "{page} cites what does not exist (fix the citation, or the map if the code moved):\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// The check finds a planted missing path, a missing test in a known module, a test whose
+/// module does not exist and a missing unit test, and leaves code items and prose alone.
+#[test]
+fn the_citation_check_catches_planted_mistakes() {
+    let modules = vec!["groups".to_owned(), "docs".to_owned()];
+    let text = "\
+`src/relay/hand.rs` and `src/relay/no_such.rs`, `sql/` and `Cargo.toml`
+`docs::the_citation_check_catches_planted_mistakes` and `groups::no_such_test`
+`relay_statee::a_relay_that_never_was_tested` and `src/relay/leases.rs::renewal_and_expiry`
+`src/relay/leases.rs::no_such_unit_test`
+`claim::mark_dispatched`, `DbError::is_transient`, `lease/3`, `queued → sending`, `0.9`
+```text
+`src/in/a/fence.rs`
+```
+";
+    let cited = citations(text, &modules);
+    assert_eq!(cited.len(), 9, "{cited:?}");
+    let missing = missing_citations("MAP.md", &cited, Path::new(ROOT));
+    assert_eq!(
+        missing,
+        [
+            "MAP.md:1: `src/relay/no_such.rs`: no such file or directory",
+            "MAP.md:2: `no_such_test`: no `fn no_such_test` in tests/it/groups.rs",
+            "MAP.md:3: `a_relay_that_never_was_tested`: no file tests/it/relay_statee.rs to hold the test",
+            "MAP.md:4: `no_such_unit_test`: no `fn no_such_unit_test` in src/relay/leases.rs",
+        ]
+    );
 }
