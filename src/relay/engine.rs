@@ -9,7 +9,7 @@
 //! being handled); what they return comes back as [`Done`].
 //!
 //! Invariants: rows are marked dispatched only from the [`Acked`] values of a settled batch
-//! (Architecture invariant 2); a lost session's rows are failed (pending, retried) and its
+//! (ARCHITECTURE.md, "6. Mark"); a lost session's rows are failed (pending, retried) and its
 //! late reports ignored; nothing is published or claimed while stopping.
 
 use std::time::Duration;

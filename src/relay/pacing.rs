@@ -7,7 +7,7 @@
 //! of empty claims the relay is idle again and wants the flag back on. The flag is written
 //! one write at a time, only once this relay is registered (its first lease round), and
 //! after it was turned on the engine polls once more (a producer may have committed while
-//! it was off). Architecture invariant 10: the wake-up costs producers nothing while busy.
+//! it was off). The wake-up costs producers nothing while busy (ARCHITECTURE.md, "2. Wake-up").
 
 use std::time::Duration;
 

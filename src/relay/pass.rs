@@ -5,8 +5,8 @@
 //! after gaining partitions and after a failed claim, a sweep reads the range below the
 //! cursor again from the first pending row, in claims that alternate with forward ones, so
 //! a row that committed late with a lower id is found within about one poll interval (no
-//! high-water mark on id, Architecture invariant 4) and a sweep never sets the forward
-//! cursor back.
+//! high-water mark on id: polling is the truth, ARCHITECTURE.md "2. Wake-up") and a sweep
+//! never sets the forward cursor back.
 //!
 //! Most late rows are only a little late: a producer's transaction takes its row's id at
 //! the INSERT and commits a few milliseconds later, while other producers' rows with higher
