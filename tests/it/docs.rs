@@ -474,8 +474,9 @@ fn test_modules() -> Vec<String> {
         .collect()
 }
 
-/// Every path and test ARCHITECTURE.md cites exists, and its relative links resolve. A
-/// rename that leaves the map behind fails here with the line and the citation.
+/// Every path and test ARCHITECTURE.md cites exists, and its relative links resolve; the
+/// same for the citations of docs/design-notes.md and docs/history.md. A rename that leaves
+/// the map behind fails here with the page, the line and the citation.
 #[test]
 fn architecture_cites_only_what_exists() {
     let page = "ARCHITECTURE.md";
@@ -492,6 +493,11 @@ fn architecture_cites_only_what_exists() {
     );
     let mut wrong = missing_citations(page, &cited, Path::new(ROOT));
     wrong.extend(broken_links(page));
+    // The pages it hands the reasoning and the history to cite the same way.
+    for page in ["docs/design-notes.md", "docs/history.md"] {
+        let cited = citations(&read(page), &test_modules());
+        wrong.extend(missing_citations(page, &cited, Path::new(ROOT)));
+    }
     assert!(
         wrong.is_empty(),
         "{page} cites what does not exist (fix the citation, or the map if the code moved):\n{}",
