@@ -260,7 +260,7 @@ async fn replay_resumes_after_sigterm_and_sigkill() {
     let (url, amqp) = (db.url(), amqp_url());
     let name = "restore";
     let mut args = replay_args(&url, &amqp, name, &late.queue);
-    args.extend(["--rate", "500", "--batch-size", "50"]);
+    args.extend(["--rate", "300", "--batch-size", "50"]);
 
     // SIGTERM: the batch in flight is confirmed and recorded, then exit 0.
     let mut first = Running::start(&args, &crate::support::unique("replay-term"));
