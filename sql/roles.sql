@@ -101,7 +101,8 @@ REVOKE ALL ON TABLE
     :"schema".outbox_inbox_held, :"schema".outbox_consumer_groups,
     :"schema".outbox_consumer_members,
     :"schema".outbox_effects, :"schema".outbox_budgets, :"schema".outbox_budget_reservations,
-    :"schema".outbox_effect_strays
+    :"schema".outbox_effect_strays,
+    :"schema".outbox_replays, :"schema".outbox_retention_horizon
     FROM :"relay_role", :"producer_role", :"consumer_role";
 
 ---------------------------------------------------------------------------------------------
@@ -126,6 +127,11 @@ GRANT UPDATE ON SEQUENCE :"schema".outbox_wakeup TO :"relay_role";
 GRANT SELECT, UPDATE (owner, epoch, lease_until) ON :"schema".outbox_partitions TO :"relay_role";
 -- outbox_lease: heartbeat upsert, forgetting silent relays; set_wakeup; outbox_leave.
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_relays TO :"relay_role";
+-- Deleting dispatched rows (--retention) records how far deletion reached (the trigger
+-- outbox_events_deleted, 0018), which `replay` reads to refuse a range that is gone.
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_retention_horizon TO :"relay_role";
+-- `outbox-relay replay` keeps each named replay's selection and progress (0018).
+GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_replays TO :"relay_role";
 
 ---------------------------------------------------------------------------------------------
 -- Producer: writes events, nothing else.
@@ -164,7 +170,8 @@ GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_budget_reservations TO :"consum
 
 ---------------------------------------------------------------------------------------------
 -- Functions, found by name so that any signature is covered. PUBLIC loses EXECUTE; each
--- role gets its own set. (outbox_wakeup and outbox_redrive_counter_floor are trigger
+-- role gets its own set. (outbox_wakeup, outbox_record_deleted and
+-- outbox_redrive_counter_floor are trigger
 -- functions: triggers fire whatever the writing role may EXECUTE, so nobody needs them.)
 
 CREATE TEMPORARY TABLE outbox_roles_functions (proname name, grantee text) ON COMMIT DROP;
@@ -178,6 +185,7 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_refresh_statistics', :'relay_role'),
     ('outbox_enqueue', :'producer_role'),
     ('outbox_wakeup', NULL),
+    ('outbox_record_deleted', NULL),
     ('outbox_inbox_record', :'consumer_role'),
     ('outbox_inbox_gap', :'consumer_role'),
     ('outbox_inbox_dead', :'consumer_role'),

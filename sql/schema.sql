@@ -1208,6 +1208,29 @@ CREATE FUNCTION public.outbox_partition_of(aggregate_type text, aggregate_id tex
     AS $$ SELECT hashtext(aggregate_type || E'\x1f' || aggregate_id) & 63 $$;
 
 --
+-- Name: outbox_record_deleted(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_record_deleted() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+BEGIN
+    INSERT INTO outbox_retention_horizon AS h (deleted_to_id, deleted_to_created_at, deleted_rows)
+    SELECT max(g.id), max(g.created_at), count(*)
+      FROM outbox_deleted g
+     WHERE g.dispatched_at IS NOT NULL
+    HAVING count(*) > 0
+    ON CONFLICT (only_row) DO UPDATE
+       SET deleted_to_id = greatest(h.deleted_to_id, excluded.deleted_to_id),
+           deleted_to_created_at = greatest(h.deleted_to_created_at, excluded.deleted_to_created_at),
+           deleted_rows = h.deleted_rows + excluded.deleted_rows,
+           updated_at = now();
+    RETURN NULL;
+END
+$$;
+
+--
 -- Name: outbox_record_failures(bigint[], text[], smallint[], integer, boolean, text, integer[], bigint[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1743,6 +1766,42 @@ CREATE TABLE public.outbox_relays (
 );
 
 --
+-- Name: outbox_replays; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_replays (
+    name text NOT NULL,
+    queue text NOT NULL,
+    aggregate_type text,
+    aggregate_id text,
+    event_type text,
+    created_from timestamp with time zone,
+    created_before timestamp with time zone,
+    from_id bigint,
+    to_id bigint,
+    upper_id bigint NOT NULL,
+    last_id bigint NOT NULL,
+    total bigint NOT NULL,
+    published bigint DEFAULT 0 NOT NULL,
+    started_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone
+);
+
+--
+-- Name: outbox_retention_horizon; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_retention_horizon (
+    only_row boolean DEFAULT true NOT NULL,
+    deleted_to_id bigint NOT NULL,
+    deleted_to_created_at timestamp with time zone NOT NULL,
+    deleted_rows bigint NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT outbox_retention_horizon_only_row_check CHECK (only_row)
+);
+
+--
 -- Name: outbox_schema_migrations; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -1884,6 +1943,20 @@ ALTER TABLE ONLY public.outbox_relays
     ADD CONSTRAINT outbox_relays_pkey PRIMARY KEY (relay_id);
 
 --
+-- Name: outbox_replays outbox_replays_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_replays
+    ADD CONSTRAINT outbox_replays_pkey PRIMARY KEY (name);
+
+--
+-- Name: outbox_retention_horizon outbox_retention_horizon_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_retention_horizon
+    ADD CONSTRAINT outbox_retention_horizon_pkey PRIMARY KEY (only_row);
+
+--
 -- Name: outbox_schema_migrations outbox_schema_migrations_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -1955,6 +2028,12 @@ CREATE INDEX outbox_inbox_handled ON public.outbox_inbox USING btree (handled_at
 --
 
 CREATE INDEX outbox_inbox_held_partition ON public.outbox_inbox_held USING btree (consumer, partition);
+
+--
+-- Name: outbox_events outbox_events_deleted; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER outbox_events_deleted AFTER DELETE ON public.outbox_events REFERENCING OLD TABLE AS outbox_deleted FOR EACH STATEMENT EXECUTE FUNCTION public.outbox_record_deleted();
 
 --
 -- Name: outbox_events outbox_events_redrive_floor; Type: TRIGGER; Schema: public; Owner: -

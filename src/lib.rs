@@ -1,7 +1,7 @@
 //! outbox-relay: the relay of a transactional outbox on Postgres and RabbitMQ, run as a
 //! sidecar. It publishes committed `outbox_events` rows to a RabbitMQ exchange with publisher
 //! confirms and marks them dispatched only after the broker's ack ([`relay::run`]); it also
-//! holds the operator commands ([`operator`]), the HTTP endpoint ([`http`]), the relay's
+//! holds the operator commands ([`operator`], [`replay`]), the HTTP endpoint ([`http`]), the relay's
 //! telemetry ([`telemetry`]) and the demo ([`demo`]).
 //!
 //! Services do not link this crate: the producer API, the consumer kit and the contract are
@@ -14,5 +14,6 @@ pub mod demo;
 pub mod http;
 pub mod operator;
 pub mod relay;
+pub mod replay;
 pub mod telemetry;
 pub mod trace;

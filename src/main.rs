@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::error::ErrorKind;
 mod cli;
 
-use cli::{Cli, Command, Config, SecretFiles};
+use cli::{Cli, Command, Config, Database, Operator, Output, SecretFiles};
 use outbox_kit::backoff::Backoff;
 use outbox_kit::contract::Schema;
 use outbox_kit::db::DbTarget;
@@ -19,8 +19,10 @@ use outbox_relay::demo::{self, DemoError};
 use outbox_relay::http;
 use outbox_relay::operator;
 use outbox_relay::relay::{self, Deps};
+use outbox_relay::replay;
 use outbox_relay::telemetry::{self, Telemetry};
 use outbox_relay::trace::StageTrace;
+use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
@@ -121,138 +123,9 @@ fn shutdown_on_signals() -> CancellationToken {
 async fn run(config: Config) -> anyhow::Result<()> {
     match config {
         Config::Demo(cfg) => run_demo(cfg).await,
-        Config::Migrate { db, schema } => {
-            let mut client = db
-                .connect(&schema, "outbox-relay-migrate")
-                .await
-                .context("cannot connect to postgres")?;
-            let report = schema::migrate(&mut client, &schema).await?;
-            if report.applied.is_empty() {
-                println!(
-                    "schema {schema} is up to date ({} migrations)",
-                    report.already
-                );
-            } else {
-                println!("schema {schema}: applied {}", report.applied.join(", "));
-            }
-            Ok(())
-        }
-        Config::Reconcile {
-            db,
-            schema,
-            reconcile,
-            every,
-        } => {
-            let shutdown = shutdown_on_signals();
-            let client = db
-                .connect(&schema, "outbox-relay-reconcile")
-                .await
-                .context("cannot connect to postgres")?;
-            loop {
-                let report = outbox_kit::consumer::reconcile::review(&client, &reconcile)
-                    .await
-                    .context("reconcile failed")?;
-                print_reconcile(&report, &reconcile);
-                let Some(every) = every else { return Ok(()) };
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(every) => {}
-                }
-            }
-        }
-        Config::ConsumerRelease {
-            db,
-            schema,
-            consumer,
-            aggregate_type,
-            aggregate_id,
-        } => {
-            let client = db
-                .connect(&schema, "outbox-relay-consumer-release")
-                .await
-                .context("cannot connect to postgres")?;
-            let held = outbox_kit::consumer::inbox::release(
-                &client,
-                &consumer,
-                &aggregate_type,
-                &aggregate_id,
-            )
-            .await?;
-            match held {
-                Some(n) => println!(
-                    "released {aggregate_type}/{aggregate_id} of consumer {consumer}: {n} held event(s) will be applied in seq order"
-                ),
-                None => println!(
-                    "{aggregate_type}/{aggregate_id} of consumer {consumer} is not blocked: nothing changed"
-                ),
-            }
-            Ok(())
-        }
-        Config::ConsumerBlocked {
-            db,
-            schema,
-            consumer,
-            limit,
-            json,
-        } => {
-            let client = db
-                .connect(&schema, "outbox-relay-consumer-blocked")
-                .await
-                .context("cannot connect to postgres")?;
-            let keys = operator::blocked(&client, consumer.as_deref(), limit).await?;
-            if json {
-                println!("{}", operator::blocked_json(&keys));
-            } else {
-                print!("{}", operator::blocked_text(&keys));
-            }
-            Ok(())
-        }
-        Config::Status { db, schema, json } => {
-            let client = db
-                .connect(&schema, "outbox-relay-status")
-                .await
-                .context("cannot connect to postgres")?;
-            let status = operator::status(&client).await?;
-            if json {
-                println!("{status}");
-            } else {
-                print!("{}", operator::status_text(&status));
-            }
-            Ok(())
-        }
-        Config::ParkedList {
-            db,
-            schema,
-            filter,
-            limit,
-            json,
-        } => {
-            let client = db
-                .connect(&schema, "outbox-relay-parked")
-                .await
-                .context("cannot connect to postgres")?;
-            let rows = operator::parked(&client, &filter, limit).await?;
-            if json {
-                println!("{}", operator::parked_json(&rows));
-            } else {
-                print!("{}", operator::parked_text(&rows));
-                println!("{} parked row(s) shown", rows.len());
-            }
-            Ok(())
-        }
-        Config::Redrive {
-            db,
-            schema,
-            filter,
-            dry_run,
-        } => {
-            let mut client = db
-                .connect(&schema, "outbox-relay-redrive")
-                .await
-                .context("cannot connect to postgres")?;
-            let done = operator::redrive(&mut client, &filter, dry_run).await?;
-            println!("{}", done.summary());
-            Ok(())
+        Config::Operator { db, command } => {
+            let client = connect(&db, command.name()).await?;
+            run_operator(client, &db, command).await
         }
         Config::Run {
             db,
@@ -313,6 +186,141 @@ async fn run(config: Config) -> anyhow::Result<()> {
             result?;
             Ok(())
         }
+    }
+}
+
+/// The one connection of an operator command, named for `pg_stat_activity`.
+async fn connect(db: &Database, command: &str) -> anyhow::Result<Client> {
+    db.target
+        .connect(&db.schema, &format!("outbox-relay-{command}"))
+        .await
+        .context("cannot connect to postgres")
+}
+
+impl Output {
+    /// Prints a command's result: JSON on one line for scripts, or text.
+    fn print(self, text: impl FnOnce() -> String, json: impl FnOnce() -> serde_json::Value) {
+        match self {
+            Output::Json => println!("{}", json()),
+            Output::Text => print!("{}", text()),
+        }
+    }
+}
+
+/// The commands that connect to the database, do one job and exit.
+async fn run_operator(mut client: Client, db: &Database, command: Operator) -> anyhow::Result<()> {
+    match command {
+        Operator::Migrate => {
+            let schema = &db.schema;
+            let report = schema::migrate(&mut client, schema).await?;
+            if report.applied.is_empty() {
+                println!(
+                    "schema {schema} is up to date ({} migrations)",
+                    report.already
+                );
+            } else {
+                println!("schema {schema}: applied {}", report.applied.join(", "));
+            }
+        }
+        Operator::Status { output } => {
+            let status = operator::status(&client).await?;
+            output.print(|| operator::status_text(&status), || status.clone());
+        }
+        Operator::ParkedList {
+            filter,
+            limit,
+            output,
+        } => {
+            let rows = operator::parked(&client, &filter, limit).await?;
+            output.print(
+                || {
+                    format!(
+                        "{}{} parked row(s) shown\n",
+                        operator::parked_text(&rows),
+                        rows.len()
+                    )
+                },
+                || operator::parked_json(&rows),
+            );
+        }
+        Operator::ConsumerBlocked {
+            consumer,
+            limit,
+            output,
+        } => {
+            let keys = operator::blocked(&client, consumer.as_deref(), limit).await?;
+            output.print(
+                || operator::blocked_text(&keys),
+                || operator::blocked_json(&keys),
+            );
+        }
+        Operator::Redrive { filter, dry_run } => {
+            let done = operator::redrive(&mut client, &filter, dry_run).await?;
+            println!("{}", done.summary());
+        }
+        Operator::Reconcile { reconcile, every } => {
+            let shutdown = shutdown_on_signals();
+            loop {
+                let report = outbox_kit::consumer::reconcile::review(&client, &reconcile)
+                    .await
+                    .context("reconcile failed")?;
+                print_reconcile(&report, &reconcile);
+                let Some(every) = every else { break };
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(every) => {}
+                }
+            }
+        }
+        Operator::ConsumerRelease {
+            consumer,
+            aggregate_type,
+            aggregate_id,
+        } => {
+            let held = outbox_kit::consumer::inbox::release(
+                &client,
+                &consumer,
+                &aggregate_type,
+                &aggregate_id,
+            )
+            .await?;
+            match held {
+                Some(n) => println!(
+                    "released {aggregate_type}/{aggregate_id} of consumer {consumer}: {n} held event(s) will be applied in seq order"
+                ),
+                None => println!(
+                    "{aggregate_type}/{aggregate_id} of consumer {consumer} is not blocked: nothing changed"
+                ),
+            }
+        }
+        Operator::Replay { amqp, replay } => run_replay(&client, &amqp, &replay).await?,
+    }
+    Ok(())
+}
+
+/// A replay: the progress line on stderr after each batch (at most one a second), the
+/// summary on stdout; a refused selection, name or queue exits 2.
+async fn run_replay(
+    client: &Client,
+    amqp: &outbox_kit::amqp::AmqpTarget,
+    config: &replay::ReplayConfig,
+) -> anyhow::Result<()> {
+    let shutdown = shutdown_on_signals();
+    let mut shown: Option<std::time::Instant> = None;
+    let result = replay::run(client, amqp, config, &shutdown, |p| {
+        if shown.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+            eprintln!("{p}");
+            shown = Some(std::time::Instant::now());
+        }
+    })
+    .await;
+    match result {
+        Ok(summary) => {
+            println!("{summary}");
+            Ok(())
+        }
+        Err(e) if e.is_bad_flag() => Err(BadFlag(e.to_string()).into()),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("replay {} failed", config.name))),
     }
 }
 

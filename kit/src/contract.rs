@@ -21,6 +21,9 @@ pub mod headers {
     pub const SEQ: &str = "x-outbox-seq";
     /// The row's `created_at`, RFC 3339 with microseconds.
     pub const CREATED_AT: &str = "x-outbox-created-at";
+    /// `true` on a message `outbox-relay replay` re-published (to one queue, through the
+    /// default exchange); otherwise absent.
+    pub const REPLAY: &str = "x-outbox-replay";
     /// The consumer kit's: how many times a message was tried.
     pub const ATTEMPT: &str = "x-outbox-attempt";
     /// The consumer kit's: the routing key a retried message was first published with.

@@ -93,6 +93,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0014_late_events.sql",
         sql: include_str!("../../sql/0014_late_events.sql"),
     },
+    Migration {
+        version: 18,
+        name: "0018_replay.sql",
+        sql: include_str!("../../sql/0018_replay.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

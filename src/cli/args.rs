@@ -86,6 +86,9 @@ pub enum Command {
     /// Consumer kit: the keys of ordered consumer groups blocked after a dead letter
     /// (block-key), longest blocked first, with how many later events each holds.
     ConsumerBlocked(ConsumerBlockedArgs),
+    /// Re-publish retained, dispatched events to one queue (a consumer added late, or one
+    /// whose database was restored); resumable under its --name.
+    Replay(ReplayArgs),
     /// A first run on local services: creates a demo database, produces events at a rate,
     /// runs the relay and a consumer in this process, shows progress and a summary.
     Demo(DemoArgs),
@@ -179,9 +182,8 @@ pub enum ParkedCommand {
 pub struct StatusArgs {
     #[command(flatten)]
     pub db: DbArgs,
-    /// Print JSON (for scripts).
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// Accepted for symmetry with the other operator commands; status never writes.
     #[arg(long)]
     pub dry_run: bool,
@@ -213,9 +215,8 @@ pub struct ParkedListArgs {
     /// Most rows to show.
     #[arg(long, default_value = "100")]
     pub limit: String,
-    /// Print JSON (for scripts).
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// Accepted for symmetry with the other operator commands; listing never writes.
     #[arg(long)]
     pub dry_run: bool,
@@ -243,9 +244,8 @@ pub struct ConsumerBlockedArgs {
     /// Most keys to show.
     #[arg(long, default_value = "100")]
     pub limit: String,
-    /// Print JSON (for scripts).
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 #[derive(Debug, Args)]
@@ -269,6 +269,74 @@ pub struct RedriveArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct ReplayArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
+
+    /// The replay's name: its selection and progress are kept under it, and the same
+    /// command run again resumes it.
+    #[arg(long, env = "OUTBOX_REPLAY_NAME")]
+    pub name: String,
+
+    /// The queue that receives the events, through the default exchange (no other queue
+    /// sees them); it must exist.
+    #[arg(long, env = "OUTBOX_REPLAY_QUEUE")]
+    pub queue: String,
+
+    /// Only events of this aggregate type.
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+
+    /// Only events of this aggregate id.
+    #[arg(long)]
+    pub aggregate_id: Option<String>,
+
+    /// Only events of this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+
+    /// Only events created at or after then: a duration ago (`2h`, `3d`) or an RFC 3339
+    /// time; fixed when the replay starts.
+    #[arg(long)]
+    pub since: Option<String>,
+
+    /// Only events created before then: a duration ago or an RFC 3339 time.
+    #[arg(long)]
+    pub until: Option<String>,
+
+    /// Only rows with this id or higher.
+    #[arg(long)]
+    pub from_id: Option<String>,
+
+    /// Only rows with this id or lower.
+    #[arg(long)]
+    pub to_id: Option<String>,
+
+    /// Most events published per second [default: unlimited].
+    #[arg(long, env = "OUTBOX_REPLAY_RATE")]
+    pub rate: Option<String>,
+
+    /// Events published and confirmed before the progress is recorded.
+    #[arg(long, env = "OUTBOX_REPLAY_BATCH_SIZE", default_value = "500")]
+    pub batch_size: String,
+
+    /// How long to wait for the broker's confirm of one message.
+    #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", default_value = "15s")]
+    pub confirm_timeout: String,
+
+    /// (Messages are built as the relay's: give the --cloudevents flags it runs with.)
+    #[command(flatten)]
+    pub cloudevents: CloudEventsArgs,
+
+    /// Count the events the replay would re-publish; publish and record nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct DbArgs {
     /// Postgres connection string, URL or key=value form [default:
     /// postgres://postgres@127.0.0.1:5432/postgres]; or DATABASE_URL_FILE names a file holding it.
@@ -280,29 +348,18 @@ pub struct DbArgs {
     pub schema: String,
 }
 
+/// `--json`, for the commands that can print for scripts.
 #[derive(Debug, Args)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub db: DbArgs,
+pub struct OutputArgs {
+    /// Print JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
+}
 
-    /// RabbitMQ URL, amqp:// or amqps:// [default: amqp://guest:guest@127.0.0.1:5672/%2f];
-    /// or AMQP_URL_FILE names a file holding it.
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    pub amqp_url: Option<String>,
-
-    /// PEM file of the CA that signed the broker's certificate (for amqps://).
-    #[arg(long, env = "AMQP_CA_FILE")]
-    pub amqp_ca_file: Option<std::path::PathBuf>,
-
-    /// Where to serve /livez, /readyz, /metrics and the dashboard, or "off".
-    #[arg(long, env = "OUTBOX_HTTP_LISTEN", default_value = "127.0.0.1:9464")]
-    pub http_listen: String,
-
-    /// Token that allows re-driving from the dashboard (without one it is read-only); or
-    /// OUTBOX_ADMIN_TOKEN_FILE names a file holding it.
-    #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
-
+/// How messages are built beyond the contract: `run` publishes with them, `replay`
+/// re-publishes with the same.
+#[derive(Debug, Args)]
+pub struct CloudEventsArgs {
     /// Add the CloudEvents AMQP binding headers (cloudEvents:id, :type, :source, :time, ...).
     #[arg(long, env = "OUTBOX_CLOUDEVENTS")]
     pub cloudevents: bool,
@@ -314,6 +371,40 @@ pub struct RunArgs {
         default_value = "/outbox-relay"
     )]
     pub cloudevents_source: String,
+}
+
+/// The broker connection, shared by the commands that publish.
+#[derive(Debug, Args)]
+pub struct AmqpArgs {
+    /// RabbitMQ URL, amqp:// or amqps:// [default: amqp://guest:guest@127.0.0.1:5672/%2f];
+    /// or AMQP_URL_FILE names a file holding it.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+
+    /// PEM file of the CA that signed the broker's certificate (for amqps://).
+    #[arg(long, env = "AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
+
+    /// Where to serve /livez, /readyz, /metrics and the dashboard, or "off".
+    #[arg(long, env = "OUTBOX_HTTP_LISTEN", default_value = "127.0.0.1:9464")]
+    pub http_listen: String,
+
+    /// Token that allows re-driving from the dashboard (without one it is read-only); or
+    /// OUTBOX_ADMIN_TOKEN_FILE names a file holding it.
+    #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    #[command(flatten)]
+    pub cloudevents: CloudEventsArgs,
 
     /// Delete dispatched rows older than this (for example 7d), or "off" to keep them.
     #[arg(long, env = "OUTBOX_RETENTION", default_value = "off")]

@@ -3,12 +3,12 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use outbox_kit::amqp::AmqpTarget;
-use outbox_kit::contract::{ConfigError, DEFAULT_AMQP_URL, Schema, validate_exchange};
+use outbox_kit::contract::{ConfigError, Schema, validate_exchange};
 use outbox_relay::demo::{DemoConfig, Stop};
 
-use super::args::{DbArgs, DemoArgs};
-use super::values::{SecretFiles, duration, http_listen, positive, secret_value};
+use super::args::{AmqpArgs, DbArgs, DemoArgs};
+use super::config::Database;
+use super::values::{SecretFiles, duration, http_listen, positive};
 
 impl DemoArgs {
     /// The demo's connections, names, rate and stop condition.
@@ -17,16 +17,15 @@ impl DemoArgs {
             database_url: self.database_url.clone(),
             schema: self.schema.clone(),
         };
-        let (server, schema) = db.parse(files)?;
-        let amqp_url = secret_value(
-            "--amqp-url",
-            "AMQP_URL",
-            self.amqp_url.as_deref(),
-            files.amqp_url.as_deref(),
-            Some(DEFAULT_AMQP_URL),
-        )?
-        .unwrap_or_default();
-        let amqp = AmqpTarget::parse(&amqp_url).map_err(|e| ConfigError::new("--amqp-url", e))?;
+        let Database {
+            target: server,
+            schema,
+        } = db.parse(files)?;
+        let amqp = AmqpArgs {
+            amqp_url: self.amqp_url.clone(),
+            amqp_ca_file: None,
+        }
+        .parse(files)?;
         let database = Schema::parse(&self.database_name)
             .map_err(|e| {
                 ConfigError::new("--database-name", e.replace("schema name", "database name"))

@@ -5,8 +5,9 @@
 //! reads argv or the environment. A problem with a flag becomes a `ConfigError` naming
 //! the flag, which `main` prints as one line before exiting with status 2.
 //!
-//! Layout: `args.rs` (the raw clap types), `config.rs` ([`Config`] and the operator
-//! commands' parsing), `run.rs` and `demo.rs` (the two commands with many flags),
+//! Layout: `args.rs` (the raw clap types), `config.rs` ([`Config`]: `run`, `demo`, and the
+//! operator commands in one shape, a [`Database`] and an [`Operator`] command), `run.rs`,
+//! `demo.rs` and `replay.rs` (the commands with many flags),
 //! `values.rs` (parsers of single values shared by the commands), `logging.rs` (the log
 //! subscriber, with lapin's body-printing targets capped), `tests.rs`.
 
@@ -14,11 +15,12 @@ mod args;
 mod config;
 mod demo;
 pub mod logging;
+mod replay;
 mod run;
 #[cfg(test)]
 mod tests;
 mod values;
 
 pub use args::{Cli, Command, LogFormat};
-pub use config::Config;
+pub use config::{Config, Database, Operator, Output};
 pub use values::SecretFiles;

@@ -5,7 +5,7 @@ use std::time::Duration;
 use clap::ArgAction;
 use outbox_kit::contract::{ConfigError, Schema};
 
-use super::{Cli, Config, SecretFiles};
+use super::{Cli, Config, Operator, Output, SecretFiles};
 
 fn run_config(args: &[&str]) -> Result<Config, ConfigError> {
     run_config_with(args, &SecretFiles::default())
@@ -154,8 +154,9 @@ fn reconcile_config(args: &[&str]) -> Result<Config, ConfigError> {
 
 #[test]
 fn reconcile_defaults_are_valid() {
-    let Config::Reconcile {
-        reconcile, every, ..
+    let Config::Operator {
+        command: Operator::Reconcile { reconcile, every },
+        ..
     } = reconcile_config(&[]).unwrap()
     else {
         panic!("reconcile expected")
@@ -245,9 +246,13 @@ fn release_config(key: &str) -> Result<Config, ConfigError> {
 
 #[test]
 fn consumer_release_takes_a_type_and_an_id() {
-    let Config::ConsumerRelease {
-        aggregate_type,
-        aggregate_id,
+    let Config::Operator {
+        command:
+            Operator::ConsumerRelease {
+                aggregate_type,
+                aggregate_id,
+                ..
+            },
         ..
     } = release_config("order/eu/42").unwrap()
     else {
@@ -260,5 +265,91 @@ fn consumer_release_takes_a_type_and_an_id() {
     );
     for bad in ["order", "/42", "order/"] {
         assert_eq!(release_config(bad).unwrap_err().flag, "--key", "{bad}");
+    }
+}
+
+fn operator_config(args: &[&str]) -> Result<Config, ConfigError> {
+    let mut argv = vec!["outbox-relay"];
+    argv.extend_from_slice(args);
+    Cli::parse_args(argv)
+        .expect("clap accepts")
+        .into_config(&SecretFiles::default())
+}
+
+/// Every operator command takes the same connection flags, and `--json` the same way.
+#[test]
+fn operator_commands_share_the_connection_and_output_flags() {
+    for command in [
+        vec!["migrate"],
+        vec!["status", "--json"],
+        vec!["parked", "list", "--json"],
+        vec!["redrive", "--all-parked"],
+        vec!["reconcile"],
+        vec!["consumer-release", "--consumer", "c", "--key", "t/1"],
+        vec!["consumer-blocked", "--json"],
+        vec!["replay", "--name", "r", "--queue", "q"],
+    ] {
+        let mut args = command.clone();
+        args.extend(["--database-url", "postgres://h/shop", "--schema", "outbox"]);
+        let Config::Operator { db, command: op } = operator_config(&args).unwrap() else {
+            panic!("{command:?}: an operator command");
+        };
+        assert_eq!(db.target.dbname(), Some("shop"), "{command:?}");
+        assert_eq!(db.schema.as_str(), "outbox", "{command:?}");
+        if let Operator::Status { output }
+        | Operator::ParkedList { output, .. }
+        | Operator::ConsumerBlocked { output, .. } = op
+        {
+            assert_eq!(output, Output::Json, "{command:?}");
+        }
+        let mut bad = command.clone();
+        bad.extend(["--schema", "no such"]);
+        assert_eq!(operator_config(&bad).unwrap_err().flag, "--schema");
+    }
+}
+
+#[test]
+fn replay_flags_name_themselves() {
+    let replay = |extra: &[&str]| {
+        let mut args = vec!["replay"];
+        args.extend_from_slice(extra);
+        for (flag, value) in [("--name", "late-billing"), ("--queue", "billing")] {
+            if !extra.contains(&flag) {
+                args.extend([flag, value]);
+            }
+        }
+        operator_config(&args)
+    };
+    let Config::Operator {
+        command: Operator::Replay { replay: config, .. },
+        ..
+    } = replay(&[
+        "--aggregate-type",
+        "order",
+        "--from-id",
+        "10",
+        "--rate",
+        "50",
+    ])
+    .unwrap()
+    else {
+        panic!("replay expected")
+    };
+    assert_eq!(config.selection.from_id, Some(10));
+    assert_eq!(config.selection.aggregate_type.as_deref(), Some("order"));
+    assert_eq!(config.rate.map(|r| r.get()), Some(50));
+    assert!(!config.dry_run);
+    for (args, flag) in [
+        (vec!["--from-id", "ten"], "--from-id"),
+        (vec!["--from-id", "0"], "--from-id"),
+        (vec!["--from-id", "9", "--to-id", "3"], "--to-id"),
+        (vec!["--since", "1h", "--until", "2h"], "--until"),
+        (vec!["--since", "yesterday"], "--since"),
+        (vec!["--rate", "0"], "--rate"),
+        (vec!["--batch-size", "0"], "--batch-size"),
+        (vec!["--queue", "amq.direct"], "--queue"),
+        (vec!["--name", " "], "--name"),
+    ] {
+        assert_eq!(replay(&args).unwrap_err().flag, flag, "{args:?}");
     }
 }

@@ -6,11 +6,15 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
-use outbox_kit::contract::{ConfigError, DEFAULT_DATABASE_URL, Schema, parse_duration};
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::contract::{
+    ConfigError, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL, Schema, parse_duration,
+};
 use outbox_kit::db::DbTarget;
 use outbox_relay::operator::ParkedFilter;
 
-use super::args::{DbArgs, FilterArgs};
+use super::args::{AmqpArgs, CloudEventsArgs, DbArgs, FilterArgs, OutputArgs};
+use super::config::{Database, Output};
 
 /// Secrets that may come from files (`DATABASE_URL_FILE` and so on, as container
 /// platforms mount them). `main` reads the variables; parsing reads the files.
@@ -61,16 +65,16 @@ pub(super) fn http_listen(raw: &str) -> Result<Option<std::net::SocketAddr>, Con
     }
 }
 
-/// `--since`: a duration ago or an RFC 3339 time.
-fn parse_since(raw: &str) -> Result<SystemTime, ConfigError> {
+/// `--since` (and `--until`): a duration ago or an RFC 3339 time.
+pub(super) fn parse_time(flag: &'static str, raw: &str) -> Result<SystemTime, ConfigError> {
     if let Ok(d) = humantime::parse_duration(raw) {
         return SystemTime::now()
             .checked_sub(d)
-            .ok_or_else(|| ConfigError::new("--since", "that is too long ago"));
+            .ok_or_else(|| ConfigError::new(flag, "that is too long ago"));
     }
     humantime::parse_rfc3339_weak(raw).map_err(|_| {
         ConfigError::new(
-            "--since",
+            flag,
             format!(
                 "'{raw}' is neither a duration (1h, 2d) nor an RFC 3339 time (2026-11-30T12:00:00Z)"
             ),
@@ -84,7 +88,11 @@ impl FilterArgs {
             event_type: self.event_type.clone(),
             aggregate_type: self.aggregate_type.clone(),
             aggregate_id: self.aggregate_id.clone(),
-            since: self.since.as_deref().map(parse_since).transpose()?,
+            since: self
+                .since
+                .as_deref()
+                .map(|raw| parse_time("--since", raw))
+                .transpose()?,
             ..ParkedFilter::default()
         })
     }
@@ -111,7 +119,7 @@ pub(super) fn duration(flag: &'static str, raw: &str) -> Result<Duration, Config
 }
 
 impl DbArgs {
-    pub(super) fn parse(&self, files: &SecretFiles) -> Result<(DbTarget, Schema), ConfigError> {
+    pub(super) fn parse(&self, files: &SecretFiles) -> Result<Database, ConfigError> {
         let url = secret_value(
             "--database-url",
             "DATABASE_URL",
@@ -122,6 +130,52 @@ impl DbArgs {
         .unwrap_or_default();
         let db = DbTarget::parse(&url).map_err(|e| ConfigError::new("--database-url", e))?;
         let schema = Schema::parse(&self.schema).map_err(|e| ConfigError::new("--schema", e))?;
-        Ok((db, schema))
+        Ok(Database { target: db, schema })
+    }
+}
+
+impl AmqpArgs {
+    pub(super) fn parse(&self, files: &SecretFiles) -> Result<AmqpTarget, ConfigError> {
+        let url = secret_value(
+            "--amqp-url",
+            "AMQP_URL",
+            self.amqp_url.as_deref(),
+            files.amqp_url.as_deref(),
+            Some(DEFAULT_AMQP_URL),
+        )?
+        .unwrap_or_default();
+        let amqp = AmqpTarget::parse(&url).map_err(|e| ConfigError::new("--amqp-url", e))?;
+        match &self.amqp_ca_file {
+            Some(ca) => amqp
+                .with_ca_file(ca)
+                .map_err(|e| ConfigError::new("--amqp-ca-file", e)),
+            None => Ok(amqp),
+        }
+    }
+}
+
+impl CloudEventsArgs {
+    /// The CloudEvents `source` when `--cloudevents` is on.
+    pub(super) fn parse(&self) -> Result<Option<String>, ConfigError> {
+        if !self.cloudevents {
+            return Ok(None);
+        }
+        if self.cloudevents_source.trim().is_empty() {
+            return Err(ConfigError::new(
+                "--cloudevents-source",
+                "must not be empty",
+            ));
+        }
+        Ok(Some(self.cloudevents_source.clone()))
+    }
+}
+
+impl OutputArgs {
+    pub(super) fn parse(&self) -> Output {
+        if self.json {
+            Output::Json
+        } else {
+            Output::Text
+        }
     }
 }

@@ -180,8 +180,9 @@ pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed,
 }
 
 /// One claimed row. Columns by position (the order of outbox_claim's RETURNS TABLE):
-/// reading by name costs a string search per column per row.
-fn claimed_row(id: i64, row: &Row) -> Result<ClaimedRow, DbError> {
+/// reading by name costs a string search per column per row. `replay` reads its rows in
+/// the same layout, so a replayed message is built exactly as the relay built it.
+pub(crate) fn claimed_row(id: i64, row: &Row) -> Result<ClaimedRow, DbError> {
     let body: Option<String> = row.try_get(6)?;
     let body_bytes: i32 = row.try_get(7)?;
     let headers: Option<String> = row.try_get(8)?;

@@ -31,6 +31,11 @@ const SECTIONS: &[(&[&str], &str, &str)] = &[
         "## Operator commands",
     ),
     (&["redrive"], "docs/operating.md", "## Operator commands"),
+    (
+        &["replay"],
+        "docs/operating.md",
+        "## Replaying events: `outbox-relay replay`",
+    ),
     (&["reconcile"], "docs/consumer-kit.md", "## The reconciler"),
     (
         &["consumer-release"],

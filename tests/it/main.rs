@@ -20,6 +20,7 @@ mod operability;
 mod relay_core;
 mod relay_faults;
 mod relay_state;
+mod replay;
 mod roles;
 mod scale_out;
 mod schema_file;

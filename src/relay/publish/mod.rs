@@ -19,9 +19,11 @@
 mod confirm;
 mod lane;
 mod message;
+mod replay;
 mod session;
 
 pub(crate) use message::{MessageOptions, prepare};
+pub(crate) use replay::mark_replayed;
 // What `prepare` returns; part of the module's face so the engine can name them, though
 // today it only passes them on.
 #[allow(unused_imports)]

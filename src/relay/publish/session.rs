@@ -102,15 +102,18 @@ impl Session {
         let (conn, node) = target.connect_node(&config.connection_name).await?;
         let lost = Lost::new(target, node);
         let setup = async {
-            let ch = rpc("channel.open", conn.create_channel()).await?;
-            amqp::declare_exchange(
-                &ch,
-                &config.exchange,
-                ExchangeKind::Topic,
-                !config.declare_exchange,
-            )
-            .await?;
-            let _ = rpc("channel.close", ch.close(200, "ok".into())).await;
+            // The default exchange ("", replay's) always exists and cannot be declared.
+            if !config.exchange.is_empty() {
+                let ch = rpc("channel.open", conn.create_channel()).await?;
+                amqp::declare_exchange(
+                    &ch,
+                    &config.exchange,
+                    ExchangeKind::Topic,
+                    !config.declare_exchange,
+                )
+                .await?;
+                let _ = rpc("channel.close", ch.close(200, "ok".into())).await;
+            }
             let mut lanes = Vec::with_capacity(config.channels);
             for lane_no in 0..config.channels {
                 let ch = rpc("channel.open", conn.create_channel()).await?;
