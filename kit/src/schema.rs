@@ -93,6 +93,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0014_late_events.sql",
         sql: include_str!("../../sql/0014_late_events.sql"),
     },
+    Migration {
+        version: 17,
+        name: "0017_contract.sql",
+        sql: include_str!("../../sql/0017_contract.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

@@ -446,6 +446,7 @@ async fn roles_sql_names_every_outbox_table_and_function() {
         "outbox_claim_lock_key",
         "outbox_uuid_v7",
         "outbox_utf8_valid",
+        "outbox_contract_version",
         "outbox_schema_migrations",
     ];
     let names = admin
@@ -491,6 +492,64 @@ async fn roles_sql_names_every_outbox_table_and_function() {
             "roles.sql explains why {helper} is left alone"
         );
     }
+}
+
+/// The producer role enqueues idempotently (SQL and the Rust API), reads the contract
+/// version and may call the documented `outbox_effect_claim` forms only as the consumer.
+#[tokio::test]
+async fn producer_role_enqueues_idempotently() {
+    let db = TestDb::new().await;
+    let roles = Roles::for_test("idem");
+    apply_roles(&db, &roles).await;
+    let producer = connect_as(&db, &roles.producer).await;
+    let deadline = Duration::from_secs(30);
+    let enqueue =
+        "SELECT outbox_enqueue('order', 'x', 'created', '{}', idempotency_key => 'req-1')";
+    let first: uuid::Uuid = tokio::time::timeout(deadline, producer.query_one(enqueue, &[]))
+        .await
+        .unwrap()
+        .expect("outbox_enqueue with a key as the producer role")
+        .get(0);
+    let again: uuid::Uuid = tokio::time::timeout(deadline, producer.query_one(enqueue, &[]))
+        .await
+        .unwrap()
+        .expect("a taken key as the producer role")
+        .get(0);
+    assert_eq!(first, again);
+    let outbox = Outbox::new("public").unwrap();
+    let event = NewEvent::new("order", "x", "created", json!({})).with_idempotency_key("req-1");
+    let rust = tokio::time::timeout(deadline, outbox.enqueue(&producer, &event))
+        .await
+        .unwrap()
+        .expect("the Rust API with a key as the producer role");
+    assert_eq!(rust, first);
+    let version: i32 = tokio::time::timeout(
+        deadline,
+        producer.query_one("SELECT outbox_contract_version()", &[]),
+    )
+    .await
+    .unwrap()
+    .expect("any role reads the contract version")
+    .get(0);
+    assert!(version >= 17);
+    let consumer = connect_as(&db, &roles.consumer).await;
+    assert_eq!(
+        sqlstate(
+            &consumer,
+            "SELECT * FROM outbox_effect_claim('none', 'w', 60)"
+        )
+        .await,
+        "ok",
+        "the consumer role may call the three-argument claim"
+    );
+    assert_eq!(
+        sqlstate(
+            &producer,
+            "SELECT * FROM outbox_effect_claim('none', 'w', 60)"
+        )
+        .await,
+        PERMISSION_DENIED
+    );
 }
 
 /// Before the migrations, roles.sql stops with a message saying what to do.
