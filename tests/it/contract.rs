@@ -472,3 +472,64 @@ async fn the_rust_producer_enqueues_a_key_once() {
     let count = count_events(&client).await;
     assert_eq!(count, 3);
 }
+
+/// `outbox-kit` packages with its migrations: `kit/sql` is a link to the top-level `sql/`
+/// that cargo follows, `kit/src/schema.rs` includes every migration through it (never from
+/// outside the package), and `cargo package --list` carries each file. (A full
+/// `cargo package -p outbox-kit`, which compiles the package, passes too; it is not run
+/// here because it compiles the kit's dependencies again.)
+#[tokio::test]
+async fn the_kit_packages_with_its_migrations() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let schema_rs = std::fs::read_to_string(format!("{root}/kit/src/schema.rs")).unwrap();
+    let outside: Vec<&str> = schema_rs
+        .lines()
+        .filter(|l| l.contains("include_str!") && !l.contains("include_str!(\"../sql/"))
+        .collect();
+    assert!(
+        outside.is_empty(),
+        "kit/src/schema.rs includes files from outside the kit package; include \"../sql/<file>\" \
+         (kit/sql links to the top-level sql/): {outside:#?}"
+    );
+    let linked = std::fs::canonicalize(format!("{root}/kit/sql")).expect("kit/sql exists");
+    assert_eq!(
+        linked,
+        std::fs::canonicalize(format!("{root}/sql")).unwrap(),
+        "kit/sql is the top-level sql/ (a symbolic link), so there is one copy of each migration"
+    );
+
+    let mut cargo = tokio::process::Command::new(env!("CARGO"));
+    cargo
+        .args([
+            "package",
+            "-p",
+            "outbox-kit",
+            "--list",
+            "--allow-dirty",
+            "--offline",
+        ])
+        .current_dir(root)
+        .kill_on_drop(true);
+    let out = with_deadline("cargo package --list", cargo.output())
+        .await
+        .expect("run cargo package");
+    assert!(
+        out.status.success(),
+        "cargo package --list: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let files: BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let missing: Vec<String> = outbox_kit::schema::MIGRATIONS
+        .iter()
+        .map(|m| format!("sql/{}", m.name))
+        .chain(["sql/roles.sql".to_owned()])
+        .filter(|f| !files.contains(f))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the outbox-kit package lacks {missing:?}; it has {files:#?}"
+    );
+}
