@@ -659,3 +659,91 @@ async fn relay_process_runs_under_the_relay_role() {
         relay.log_text()
     );
 }
+
+/// The role table in docs/operating.md says what roles.sql grants, both ways: every table,
+/// sequence and function roles.sql grants a role is named in that role's "may" cell (by
+/// name or by a `prefix_*` pattern), and every object the cell names is granted to it.
+#[test]
+fn the_role_table_in_operating_md_matches_roles_sql() {
+    use std::collections::{BTreeMap, BTreeSet};
+    let sql = std::fs::read_to_string(ROLES_SQL).unwrap();
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operating.md")).unwrap();
+    // What roles.sql grants, per role variable (relay, producer, consumer).
+    let mut granted: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    let statements: Vec<String> = sql
+        .split(';')
+        .map(|s| {
+            s.lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    for st in &statements {
+        let st = st.trim();
+        let Some((_, rest)) = st.split_once(" ON ") else {
+            continue;
+        };
+        if !st.starts_with("GRANT ") || !rest.contains(":\"schema\".") {
+            continue;
+        }
+        let (object, role) = rest.split_once(" TO ").expect("GRANT ... TO");
+        let object = object
+            .rsplit(":\"schema\".")
+            .next()
+            .unwrap()
+            .trim()
+            .to_owned();
+        for role in role.split(',') {
+            let role = role.trim().trim_matches(':').trim_matches('"');
+            let role = role.strip_suffix("_role").expect("a role variable");
+            granted.entry(role).or_default().insert(object.clone());
+        }
+    }
+    for line in sql.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("('") {
+            let (function, role) = rest.split_once("', ").unwrap();
+            if let Some(role) = role.strip_prefix(":'") {
+                let role = role.split('_').next().unwrap();
+                granted.entry(role).or_default().insert(function.to_owned());
+            }
+        }
+    }
+    let known: BTreeSet<String> = granted.values().flatten().cloned().collect();
+    assert!(known.len() > 40, "expected roles.sql's grants: {granted:?}");
+
+    for (role, objects) in &granted {
+        let row = doc
+            .lines()
+            .find(|l| l.starts_with(&format!("| `outbox_{role}` |")))
+            .unwrap_or_else(|| panic!("docs/operating.md has no row for outbox_{role}"));
+        let may = row.split('|').nth(2).unwrap();
+        let named: Vec<&str> = may
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|t| t.starts_with("outbox_"))
+            .collect();
+        let covered = |object: &str| {
+            named.iter().any(|t| match t.strip_suffix('*') {
+                Some(prefix) => object.starts_with(prefix),
+                None => *t == object,
+            })
+        };
+        let unnamed: Vec<&String> = objects.iter().filter(|o| !covered(o)).collect();
+        assert!(
+            unnamed.is_empty(),
+            "roles.sql grants outbox_{role} {unnamed:?}, which its row in docs/operating.md does not name"
+        );
+        let not_granted: Vec<&&str> = named
+            .iter()
+            .filter(|t| !t.ends_with('*') && known.contains(**t) && !objects.contains(**t))
+            .collect();
+        assert!(
+            not_granted.is_empty(),
+            "docs/operating.md says outbox_{role} may use {not_granted:?}, which roles.sql does not grant it"
+        );
+    }
+}
