@@ -11,7 +11,8 @@
 //! - The RabbitMQ definitions import into a throw-away vhost of the running broker
 //!   (`rabbitmqctl import_definitions`, no management plugin needed), the relay publishes
 //!   into that topology as the compose stack's broker user, and dead-lettering works:
-//!   a rejected message and one past the policy's delivery limit reach the dead-letter queue.
+//!   a rejected message and one past the policy's delivery limit reach the dead-letter queue;
+//!   the compose stack's consumer user may declare what the consumer kit declares.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -803,6 +804,97 @@ fn into_vhost(doc: &Value, vhost: &str, suffix: &str) -> Value {
     Value::Object(out)
 }
 
+/// Removes a throw-away vhost and user however the test ends (a vhost takes its queues and
+/// permissions with it).
+struct Cleanup(String, String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for args in [["delete_vhost", &self.0], ["delete_user", &self.1]] {
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(args)
+                .output();
+        }
+    }
+}
+
+/// Imports the definitions into `vhost` with the compose stack's broker `user` (its
+/// password hash and permissions, renamed with `suffix`); guest may do anything there.
+async fn import_with_compose_user(vhost: &str, suffix: &str, user: &str) -> Cleanup {
+    let topology = into_vhost(&definitions(), vhost, suffix);
+    let users: Value = serde_json::from_str(&read("rabbitmq/compose-users.json")).unwrap();
+    let users = into_vhost(&users, vhost, suffix);
+    let mut import = topology.as_object().unwrap().clone();
+    let only = |key: &str, field: &str| -> Vec<Value> {
+        users[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|u| u[field] == format!("{user}{suffix}"))
+            .cloned()
+            .collect()
+    };
+    let mut permissions = only("permissions", "user");
+    assert_eq!(permissions.len(), 1, "compose-users.json defines {user}");
+    // The test itself reads the queues as guest.
+    permissions.push(
+        json!({"user": "guest", "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}),
+    );
+    import.insert("users".into(), Value::Array(only("users", "name")));
+    import.insert("permissions".into(), Value::Array(permissions));
+    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{vhost}.json"));
+    std::fs::write(
+        &file,
+        serde_json::to_vec_pretty(&Value::Object(import)).unwrap(),
+    )
+    .unwrap();
+    let cleanup = Cleanup(vhost.to_owned(), format!("{user}{suffix}"));
+    rabbitmqctl(&["import_definitions", file.to_str().unwrap()]).await;
+    cleanup
+}
+
+/// The broker's host and port as the tests reach it.
+fn amqp_host() -> String {
+    amqp_url()
+        .strip_prefix("amqp://")
+        .and_then(|r| r.split_once('@'))
+        .map(|(_, h)| h.split('/').next().unwrap().to_owned())
+        .unwrap()
+}
+
+/// The compose stack's consumer user (`app` / `app-dev`, docs/operating.md) may declare
+/// what the consumer kit declares at start-up for its queue `app.billing`: the source
+/// exchange `outbox.events` (topic, durable, as the definitions have it) and its
+/// dead-letter exchange `app.billing.dlx`.
+#[tokio::test]
+async fn compose_app_user_declares_what_the_kit_declares() {
+    let vhost = unique("it-app").replace('_', "-");
+    let suffix = format!("-{vhost}");
+    let _cleanup = import_with_compose_user(&vhost, &suffix, "app").await;
+    let app = AmqpTarget::parse(&format!(
+        "amqp://app{suffix}:app-dev@{}/{vhost}",
+        amqp_host()
+    ))
+    .unwrap()
+    .connect("outbox-it-app")
+    .await
+    .expect("connect as the compose stack's app user");
+    for (exchange, kind) in [
+        ("outbox.events", lapin::ExchangeKind::Topic),
+        ("app.billing.dlx", lapin::ExchangeKind::Fanout),
+    ] {
+        // A refused declare closes its channel: one channel each.
+        let ch = tokio::time::timeout(Duration::from_secs(15), app.create_channel())
+            .await
+            .unwrap()
+            .unwrap();
+        outbox_kit::amqp::declare_exchange(&ch, exchange, kind, false)
+            .await
+            .unwrap_or_else(|e| panic!("app may not declare {exchange}: {e}"));
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(15), app.close(200, "done".into())).await;
+}
+
 /// The definitions (and the compose stack's relay user, its password hash and permissions)
 /// imported into a throw-away vhost: the relay publishes into that topology as that user, the
 /// policy applies, and dead-lettering reaches the dead-letter queue both on reject and past
@@ -824,54 +916,10 @@ async fn rabbitmq_definitions_import_and_carry_events() {
         .unwrap();
     let (user, password) = creds.split_once(':').unwrap();
 
-    let topology = into_vhost(&definitions(), &vhost, &suffix);
-    let users: Value = serde_json::from_str(&read("rabbitmq/compose-users.json")).unwrap();
-    let users = into_vhost(&users, &vhost, &suffix);
-    let mut import = topology.as_object().unwrap().clone();
-    let only_relay = |key: &str, field: &str| -> Vec<Value> {
-        users[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|u| u[field] == format!("{user}{suffix}"))
-            .cloned()
-            .collect()
-    };
-    let mut permissions = only_relay("permissions", "user");
-    assert_eq!(permissions.len(), 1, "compose-users.json defines {user}");
-    // The test itself reads the queues as guest.
-    permissions.push(
-        json!({"user": "guest", "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}),
-    );
-    import.insert("users".into(), Value::Array(only_relay("users", "name")));
-    import.insert("permissions".into(), Value::Array(permissions));
-    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{vhost}.json"));
-    std::fs::write(
-        &file,
-        serde_json::to_vec_pretty(&Value::Object(import)).unwrap(),
-    )
-    .unwrap();
-    // Removed however the test ends (a vhost takes its queues and permissions with it).
-    struct Cleanup(String, String);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            for args in [["delete_vhost", &self.0], ["delete_user", &self.1]] {
-                let _ = std::process::Command::new("rabbitmqctl")
-                    .args(args)
-                    .output();
-            }
-        }
-    }
-    let _cleanup = Cleanup(vhost.clone(), format!("{user}{suffix}"));
-    rabbitmqctl(&["import_definitions", file.to_str().unwrap()]).await;
+    let _cleanup = import_with_compose_user(&vhost, &suffix, user).await;
 
     {
-        let base = amqp_url();
-        let host = base
-            .strip_prefix("amqp://")
-            .and_then(|r| r.split_once('@'))
-            .map(|(_, h)| h.split('/').next().unwrap().to_owned())
-            .unwrap();
+        let host = amqp_host();
         let relay_amqp =
             AmqpTarget::parse(&format!("amqp://{user}{suffix}:{password}@{host}/{vhost}")).unwrap();
         let guest = AmqpTarget::parse(&format!("amqp://guest:guest@{host}/{vhost}"))
