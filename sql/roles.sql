@@ -28,10 +28,10 @@
 -- PUBLIC's default EXECUTE on those functions is revoked. The one,
 -- outbox_refresh_statistics, runs as the owner because ANALYZE needs the owner; it
 -- analyzes outbox_events and nothing else (when the statistics say fewer rows are pending
--- than a claim saw; sql/0007). Five pure helpers stay executable by everyone
+-- than a claim saw; sql/0007). Six pure helpers stay executable by everyone
 -- (outbox_headers_allowed, used by a CHECK constraint; outbox_partition_of;
--- outbox_claim_lock_key; outbox_uuid_v7, the event_id default; outbox_utf8_valid): they
--- read no table.
+-- outbox_claim_lock_key; outbox_uuid_v7, the event_id default; outbox_utf8_valid;
+-- outbox_contract_version, which every client may ask): they read no table.
 --
 -- Migrations are not the relay role's job: run `outbox-relay migrate` as the owner, and
 -- `outbox-relay run --no-migrate` as the relay role (without --no-migrate it exits 1 with
@@ -139,11 +139,14 @@ GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_replays TO :"relay_role";
 -- Only the columns a producer writes (the relay's columns take their defaults). event_id
 -- may be given by the producer (the Rust API generates it client-side).
 GRANT INSERT (event_id, aggregate_type, aggregate_id, event_type, payload, headers,
-              routing_key, available_at, traceparent, tracestate)
+              routing_key, available_at, traceparent, tracestate, idempotency_key)
     ON :"schema".outbox_events TO :"producer_role";
 -- `INSERT ... RETURNING event_id` and outbox_enqueue (which returns the new event_id) need
--- to read that one column. No other column: a producer cannot read payloads, keys or state.
-GRANT SELECT (event_id) ON :"schema".outbox_events TO :"producer_role";
+-- to read that column; an idempotent enqueue (0017) finds the event that holds its key by
+-- aggregate_type and idempotency_key. No other column: a producer cannot read payloads,
+-- aggregate ids or state.
+GRANT SELECT (event_id, aggregate_type, idempotency_key)
+    ON :"schema".outbox_events TO :"producer_role";
 -- Nothing of outbox_relays: the insert trigger reads the wake-up hint from the sequence
 -- outbox_wakeup (migration 0008), which every role may read. (The REVOKE above takes back
 -- the column grants an earlier version of this file made.)

@@ -486,6 +486,14 @@ END
 $$;
 
 --
+-- Name: outbox_contract_version(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_contract_version() RETURNS integer
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $$ SELECT 17 $$;
+
+--
 -- Name: outbox_effect_cancel(text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -521,6 +529,25 @@ BEGIN
     ELSE
         RETURN QUERY SELECT e.state, e.id, e.external_id;
     END IF;
+END
+$$;
+
+--
+-- Name: outbox_effect_claim(text, text, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_effect_claim(p_effect_key text, p_worker text, p_lease_secs double precision) RETURNS TABLE(id bigint, effect_key text, destination text, payload jsonb, attempts integer, uncertain boolean, external_id text)
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+BEGIN
+    IF p_lease_secs IS NULL OR p_lease_secs <= 0 THEN
+        RAISE EXCEPTION 'lease of % s is not longer than zero', p_lease_secs
+            USING ERRCODE = '22023',
+                  HINT = 'give a lease longer than a send and its write-back';
+    END IF;
+    RETURN QUERY SELECT * FROM outbox_effect_claim(p_effect_key, p_worker, p_lease_secs,
+                                                   p_lease_secs / 4, p_lease_secs / 4);
 END
 $$;
 
@@ -788,16 +815,43 @@ END
 $$;
 
 --
--- Name: outbox_enqueue(text, text, text, jsonb, jsonb, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+-- Name: outbox_enqueue(text, text, text, jsonb, jsonb, timestamp with time zone, text, text, text, uuid, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.outbox_enqueue(aggregate_type text, aggregate_id text, event_type text, payload jsonb, headers jsonb DEFAULT '{}'::jsonb, available_at timestamp with time zone DEFAULT now()) RETURNS uuid
-    LANGUAGE sql
+CREATE FUNCTION public.outbox_enqueue(aggregate_type text, aggregate_id text, event_type text, payload jsonb, headers jsonb DEFAULT '{}'::jsonb, available_at timestamp with time zone DEFAULT now(), routing_key text DEFAULT NULL::text, traceparent text DEFAULT NULL::text, tracestate text DEFAULT NULL::text, event_id uuid DEFAULT NULL::uuid, idempotency_key text DEFAULT NULL::text) RETURNS uuid
+    LANGUAGE plpgsql
     SET search_path TO 'public'
     AS $_$
-    INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, headers, available_at)
-    VALUES ($1, $2, $3, $4, coalesce($5, '{}'), coalesce($6, now()))
-    RETURNING event_id
+#variable_conflict use_column
+DECLARE
+    v_id uuid;
+BEGIN
+    -- A second call with a taken key waits here for the first's transaction: when that
+    -- commits, nothing is inserted and the lookup below (a new statement, a new snapshot
+    -- under READ COMMITTED) finds its row; when it rolls back, this call inserts. Under
+    -- REPEATABLE READ or SERIALIZABLE a key taken by a transaction this one cannot see
+    -- fails with SQLSTATE 40001: retry the transaction.
+    LOOP
+        INSERT INTO outbox_events (event_id, aggregate_type, aggregate_id, event_type, payload,
+                                   headers, available_at, routing_key, traceparent, tracestate,
+                                   idempotency_key)
+        VALUES (coalesce($10, outbox_uuid_v7()), $1, $2, $3, $4, coalesce($5, '{}'),
+                coalesce($6, now()), $7, $8, $9, $11)
+        ON CONFLICT (aggregate_type, idempotency_key) WHERE idempotency_key IS NOT NULL
+        DO NOTHING
+        RETURNING event_id INTO v_id;
+        IF v_id IS NOT NULL THEN
+            RETURN v_id;
+        END IF;
+        SELECT e.event_id INTO v_id FROM outbox_events e
+         WHERE e.aggregate_type = $1 AND e.idempotency_key = $11;
+        IF v_id IS NOT NULL THEN
+            RETURN v_id;
+        END IF;
+        -- The row holding the key was deleted (retention) between the two statements: the
+        -- key is free again, insert.
+    END LOOP;
+END
 $_$;
 
 --
@@ -1629,6 +1683,7 @@ CREATE TABLE public.outbox_events (
     last_error text,
     parked_at timestamp with time zone,
     seq bigint,
+    idempotency_key text,
     CONSTRAINT outbox_events_headers_reserved CHECK (((headers = '{}'::jsonb) OR public.outbox_headers_allowed(headers))),
     CONSTRAINT outbox_events_routing_key_length CHECK (((routing_key IS NULL) OR (octet_length(routing_key) <= 255)))
 )
@@ -1992,6 +2047,12 @@ CREATE INDEX outbox_effects_sending ON public.outbox_effects USING btree (lease_
 --
 
 CREATE INDEX outbox_events_dispatched ON public.outbox_events USING brin (dispatched_at) WITH (autosummarize='on');
+
+--
+-- Name: outbox_events_idempotency_key; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE UNIQUE INDEX outbox_events_idempotency_key ON public.outbox_events USING btree (aggregate_type, idempotency_key) WHERE (idempotency_key IS NOT NULL);
 
 --
 -- Name: outbox_events_parked; Type: INDEX; Schema: public; Owner: -

@@ -36,8 +36,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::operator::{self, Counts, ParkedFilter};
 use outbox_kit::contract::{Schema, Secret};
-use outbox_kit::db::{DbError, DbTarget, deadline};
-use outbox_kit::down::Down;
+use outbox_kit::db::{DbError, DbTarget};
+use outbox_kit::internal::Down;
+use outbox_kit::internal::deadline;
 
 use crate::telemetry::Telemetry;
 

@@ -10,10 +10,10 @@ use clap::error::ErrorKind;
 mod cli;
 
 use cli::{Cli, Command, Config, Database, Operator, Output, SecretFiles};
-use outbox_kit::backoff::Backoff;
 use outbox_kit::contract::Schema;
 use outbox_kit::db::DbTarget;
-use outbox_kit::down::Down;
+use outbox_kit::internal::Backoff;
+use outbox_kit::internal::Down;
 use outbox_kit::schema::{self, MigrateError};
 use outbox_relay::demo::{self, DemoError};
 use outbox_relay::http;

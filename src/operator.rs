@@ -11,7 +11,8 @@ use serde_json::{Value, json};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use outbox_kit::db::{DbError, deadline};
+use outbox_kit::db::DbError;
+use outbox_kit::internal::deadline;
 
 use crate::relay::claim::{NACKED, UNROUTABLE};
 

@@ -27,7 +27,8 @@ use tokio_postgres::types::ToSql;
 use tokio_util::sync::CancellationToken;
 
 use outbox_kit::amqp::{AmqpError, AmqpTarget};
-use outbox_kit::db::{DbError, deadline};
+use outbox_kit::db::DbError;
+use outbox_kit::internal::deadline;
 
 use crate::relay::claim::claimed_row;
 

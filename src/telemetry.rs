@@ -8,7 +8,7 @@
 //! reports: Postgres reachable, an AMQP session open, not shutting down.
 //!
 //! A dependency that stays down is logged once at warn, then at most every 30 s with the
-//! number of failures in between, and once more at info when it is back ([`outbox_kit::down::Down`]).
+//! number of failures in between, and once more at info when it is back ([`outbox_kit::internal::Down`]).
 
 use std::fmt::Display;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! The broker connection both sides use: where the broker is ([`AmqpTarget`], one URL or a
 //! cluster's list), connecting with a deadline, one AMQP round trip with a deadline
-//! ([`rpc`]), and the declarations the relay and the consumer kit share.
+//! (`rpc`), and the declarations the relay and the consumer kit share.
 //!
 //! Invariant: every network await here has a deadline (`CONNECT_TIMEOUT`, `RPC_TIMEOUT`,
 //! 15 s each).
@@ -131,9 +131,8 @@ impl AmqpTarget {
         Ok(self.connect_node(name).await?.0)
     }
 
-    /// [`AmqpTarget::connect`], also saying which node of the list (its index) answered, for
-    /// [`AmqpTarget::give_up_on`].
-    pub async fn connect_node(&self, name: &str) -> Result<(Connection, usize), AmqpError> {
+    /// [`AmqpTarget::connect`], also saying which node of the list (its index) answered.
+    pub(crate) async fn connect_node(&self, name: &str) -> Result<(Connection, usize), AmqpError> {
         use std::sync::atomic::Ordering;
         let start = self.preferred_node();
         let mut last = None;
@@ -221,14 +220,31 @@ pub enum AmqpError {
     Timeout(&'static str),
 }
 
-/// One AMQP round trip with the standard deadline; no answer in time is [`AmqpError::Timeout`].
-pub async fn rpc<T>(
-    what: &'static str,
-    fut: impl Future<Output = lapin::Result<T>>,
-) -> Result<T, AmqpError> {
-    match tokio::time::timeout(RPC_TIMEOUT, fut).await {
-        Ok(r) => Ok(r?),
-        Err(_) => Err(AmqpError::Timeout(what)),
+pub(crate) use plumbing::rpc;
+
+/// Shared with the relay through [`crate::internal`]; not part of the kit's API.
+pub(crate) mod plumbing {
+    use super::{AmqpError, AmqpTarget, Connection, RPC_TIMEOUT};
+
+    /// One AMQP round trip with the standard deadline; no answer in time is
+    /// [`AmqpError::Timeout`].
+    pub async fn rpc<T>(
+        what: &'static str,
+        fut: impl Future<Output = lapin::Result<T>>,
+    ) -> Result<T, AmqpError> {
+        match tokio::time::timeout(RPC_TIMEOUT, fut).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(AmqpError::Timeout(what)),
+        }
+    }
+
+    /// [`AmqpTarget::connect`], also saying which node of the list (its index) answered, for
+    /// [`AmqpTarget::give_up_on`].
+    pub async fn connect_node(
+        target: &AmqpTarget,
+        name: &str,
+    ) -> Result<(Connection, usize), AmqpError> {
+        target.connect_node(name).await
     }
 }
 

@@ -104,13 +104,20 @@ impl DbError {
     }
 }
 
-/// Runs `fut` with the standard database deadline.
-pub async fn deadline<T, E: Into<DbError>>(
-    fut: impl Future<Output = Result<T, E>>,
-) -> Result<T, DbError> {
-    match tokio::time::timeout(DB_TIMEOUT, fut).await {
-        Ok(r) => r.map_err(Into::into),
-        Err(_) => Err(DbError::Timeout(DB_TIMEOUT)),
+pub(crate) use plumbing::deadline;
+
+/// Shared with the relay through [`crate::internal`]; not part of the kit's API.
+pub(crate) mod plumbing {
+    use super::{DB_TIMEOUT, DbError};
+
+    /// Runs `fut` with the standard database deadline.
+    pub async fn deadline<T, E: Into<DbError>>(
+        fut: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, DbError> {
+        match tokio::time::timeout(DB_TIMEOUT, fut).await {
+            Ok(r) => r.map_err(Into::into),
+            Err(_) => Err(DbError::Timeout(DB_TIMEOUT)),
+        }
     }
 }
 

@@ -53,6 +53,10 @@ pub struct NewEvent<'a> {
     pub traceparent: Option<String>,
     /// W3C `tracestate`, carried with `traceparent`.
     pub tracestate: Option<String>,
+    /// The caller's idempotency key, scoped per `aggregate_type`: an enqueue whose key a row
+    /// in the table already holds inserts nothing and returns that row's event id (see
+    /// [`NewEvent::with_idempotency_key`]).
+    pub idempotency_key: Option<&'a str>,
 }
 
 impl<'a> NewEvent<'a> {
@@ -95,7 +99,19 @@ impl<'a> NewEvent<'a> {
             available_at: None,
             traceparent: None,
             tracestate: None,
+            idempotency_key: None,
         }
+    }
+
+    /// Enqueues this event at most once per `key` and `aggregate_type`: when a row holding
+    /// the key is in the table (committed, or in this transaction), the enqueue inserts
+    /// nothing, is no error, and returns that row's event id. A concurrent transaction
+    /// holding the key makes the enqueue wait for it: its commit gives its id, its rollback
+    /// lets this event in. The key is remembered while its row is in the table, so the
+    /// relay's `--retention` is the window (docs/contract.md, "Idempotent enqueue").
+    pub fn with_idempotency_key(mut self, key: &'a str) -> Self {
+        self.idempotency_key = Some(key);
+        self
     }
 }
 
@@ -116,24 +132,40 @@ pub enum ProduceError {
 #[derive(Clone, Debug)]
 pub struct Outbox {
     insert_many: String,
+    lookup: String,
 }
 
+// One statement for the batch. A row whose idempotency key is taken is skipped (ON CONFLICT
+// DO NOTHING waits for a concurrent holder's transaction and never raises), and comes back
+// with `inserted` false; its holder's id is read by LOOKUP, a statement of its own so that
+// it sees a holder that committed while this one waited.
 const INSERT_MANY: &str = "
 WITH src AS MATERIALIZED (
     SELECT {schema}.outbox_uuid_v7() AS event_id, u.*
       FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[],
-                  $7::timestamptz[], $8::text[], $9::text[])
+                  $7::timestamptz[], $8::text[], $9::text[], $10::text[])
            WITH ORDINALITY AS u(aggregate_type, aggregate_id, event_type, payload, headers,
-                                routing_key, available_at, traceparent, tracestate, ord)
+                                routing_key, available_at, traceparent, tracestate,
+                                idempotency_key, ord)
 ), ins AS (
     INSERT INTO {schema}.outbox_events
         (event_id, aggregate_type, aggregate_id, event_type, payload, headers, routing_key,
-         available_at, traceparent, tracestate)
+         available_at, traceparent, tracestate, idempotency_key)
     SELECT event_id, aggregate_type, aggregate_id, event_type, payload, coalesce(headers, '{}'),
-           routing_key, coalesce(available_at, now()), traceparent, tracestate
+           routing_key, coalesce(available_at, now()), traceparent, tracestate, idempotency_key
       FROM src ORDER BY ord
+    ON CONFLICT (aggregate_type, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING event_id
 )
-SELECT event_id FROM src ORDER BY ord";
+SELECT src.event_id, ins.event_id IS NOT NULL AS inserted
+  FROM src LEFT JOIN ins USING (event_id) ORDER BY src.ord";
+
+const LOOKUP: &str = "
+SELECT e.event_id
+  FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(aggregate_type, idempotency_key, ord)
+  LEFT JOIN {schema}.outbox_events e
+         ON e.aggregate_type = k.aggregate_type AND e.idempotency_key = k.idempotency_key
+ ORDER BY k.ord";
 
 impl Outbox {
     /// An outbox in `schema` (`public` unless you run the relay with `--schema`).
@@ -141,6 +173,7 @@ impl Outbox {
         let schema = Schema::parse(schema).map_err(ProduceError::Refused)?;
         Ok(Outbox {
             insert_many: INSERT_MANY.replace("{schema}", schema.as_str()),
+            lookup: LOOKUP.replace("{schema}", schema.as_str()),
         })
     }
 
@@ -156,12 +189,58 @@ impl Outbox {
         Ok(ids[0])
     }
 
-    /// Enqueues several events in one statement; returns their event ids in order.
+    /// Enqueues several events in one statement; returns their event ids in order. An event
+    /// whose idempotency key is taken (by a row in the table or an earlier event of this
+    /// batch) gets the holder's id and inserts nothing.
     pub async fn enqueue_many(
         &self,
         client: &impl GenericClient,
         events: &[NewEvent<'_>],
     ) -> Result<Vec<Uuid>, ProduceError> {
+        let mut ids: Vec<Option<Uuid>> = vec![None; events.len()];
+        let mut todo: Vec<usize> = (0..events.len()).collect();
+        // Rounds end when every event has an id: the second round runs only if a key's
+        // holder was deleted (retention) between the insert and the lookup, which frees it.
+        while !todo.is_empty() {
+            let batch: Vec<NewEvent<'_>> = todo.iter().map(|&i| events[i].clone()).collect();
+            let inserted = self.insert(client, &batch).await?;
+            let skipped: Vec<usize> = (0..batch.len())
+                .filter(|&j| inserted[j].is_none())
+                .collect();
+            for (j, &i) in todo.iter().enumerate() {
+                ids[i] = inserted[j];
+            }
+            if skipped.is_empty() {
+                break;
+            }
+            let types: Vec<&str> = skipped.iter().map(|&j| batch[j].aggregate_type).collect();
+            let keys: Vec<Option<&str>> =
+                skipped.iter().map(|&j| batch[j].idempotency_key).collect();
+            let held = client
+                .query(&self.lookup, &[&types, &keys])
+                .await
+                .map_err(refused_or_db)?;
+            let mut next = Vec::new();
+            for (row, &j) in held.iter().zip(&skipped) {
+                match row.get::<_, Option<Uuid>>(0) {
+                    Some(id) => ids[todo[j]] = Some(id),
+                    None => next.push(todo[j]),
+                }
+            }
+            todo = next;
+        }
+        Ok(ids
+            .into_iter()
+            .map(|id| id.expect("every event has an id"))
+            .collect())
+    }
+
+    /// One INSERT of `events`; for each, its new event id, or None when its key was taken.
+    async fn insert(
+        &self,
+        client: &impl GenericClient,
+        events: &[NewEvent<'_>],
+    ) -> Result<Vec<Option<Uuid>>, ProduceError> {
         let aggregate_types: Vec<&str> = events.iter().map(|e| e.aggregate_type).collect();
         let aggregate_ids: Vec<&str> = events.iter().map(|e| e.aggregate_id).collect();
         let event_types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
@@ -182,6 +261,7 @@ impl Outbox {
         let payloads: Vec<&Value> = events.iter().map(|e| &e.payload).collect();
         let headers: Vec<Option<&Value>> = events.iter().map(|e| e.headers.as_ref()).collect();
         let available: Vec<Option<SystemTime>> = events.iter().map(|e| e.available_at).collect();
+        let keys: Vec<Option<&str>> = events.iter().map(|e| e.idempotency_key).collect();
         let rows = client
             .query(
                 &self.insert_many,
@@ -195,11 +275,15 @@ impl Outbox {
                     &available,
                     &traceparents,
                     &tracestates,
+                    &keys,
                 ],
             )
             .await
             .map_err(refused_or_db)?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        Ok(rows
+            .iter()
+            .map(|r| r.get::<_, bool>(1).then(|| r.get(0)))
+            .collect())
     }
 }
 

@@ -5,6 +5,10 @@
 //! concurrent relays starting together); an applied migration whose file changed is
 //! refused with [`MigrateError::Changed`], never re-run or skipped silently. The files are
 //! plain SQL written for `search_path = <schema>`, so other tools can apply them too.
+//!
+//! `kit/sql` is a symbolic link to the repository's `sql/`: the files are included through
+//! it (`../sql/...`), so the published `outbox-kit` package carries them (cargo follows the
+//! link) while the repository keeps one copy, where every language's users find it.
 
 use tokio_postgres::Client;
 
@@ -21,77 +25,83 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-/// Every migration, in order. Add new files at the end; never edit an applied one.
+/// Every migration, in order. Add new files at the end; never edit an applied one. Include
+/// them as `../sql/<file>` (inside the package; tests/it/contract.rs checks it).
 pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_outbox.sql",
-        sql: include_str!("../../sql/0001_outbox.sql"),
+        sql: include_str!("../sql/0001_outbox.sql"),
     },
     Migration {
         version: 2,
         name: "0002_relay.sql",
-        sql: include_str!("../../sql/0002_relay.sql"),
+        sql: include_str!("../sql/0002_relay.sql"),
     },
     Migration {
         version: 3,
         name: "0003_consumer.sql",
-        sql: include_str!("../../sql/0003_consumer.sql"),
+        sql: include_str!("../sql/0003_consumer.sql"),
     },
     Migration {
         version: 4,
         name: "0004_event_ids.sql",
-        sql: include_str!("../../sql/0004_event_ids.sql"),
+        sql: include_str!("../sql/0004_event_ids.sql"),
     },
     Migration {
         version: 5,
         name: "0005_claim_plans.sql",
-        sql: include_str!("../../sql/0005_claim_plans.sql"),
+        sql: include_str!("../sql/0005_claim_plans.sql"),
     },
     Migration {
         version: 6,
         name: "0006_claim_held.sql",
-        sql: include_str!("../../sql/0006_claim_held.sql"),
+        sql: include_str!("../sql/0006_claim_held.sql"),
     },
     Migration {
         version: 7,
         name: "0007_claim_numbers.sql",
-        sql: include_str!("../../sql/0007_claim_numbers.sql"),
+        sql: include_str!("../sql/0007_claim_numbers.sql"),
     },
     Migration {
         version: 8,
         name: "0008_wakeup_hint.sql",
-        sql: include_str!("../../sql/0008_wakeup_hint.sql"),
+        sql: include_str!("../sql/0008_wakeup_hint.sql"),
     },
     Migration {
         version: 9,
         name: "0009_fenced_failures.sql",
-        sql: include_str!("../../sql/0009_fenced_failures.sql"),
+        sql: include_str!("../sql/0009_fenced_failures.sql"),
     },
     Migration {
         version: 10,
         name: "0010_effects_ledger.sql",
-        sql: include_str!("../../sql/0010_effects_ledger.sql"),
+        sql: include_str!("../sql/0010_effects_ledger.sql"),
     },
     Migration {
         version: 11,
         name: "0011_bounded_claims.sql",
-        sql: include_str!("../../sql/0011_bounded_claims.sql"),
+        sql: include_str!("../sql/0011_bounded_claims.sql"),
     },
     Migration {
         version: 12,
         name: "0012_consumer_groups.sql",
-        sql: include_str!("../../sql/0012_consumer_groups.sql"),
+        sql: include_str!("../sql/0012_consumer_groups.sql"),
     },
     Migration {
         version: 13,
         name: "0013_claim_plan_cache.sql",
-        sql: include_str!("../../sql/0013_claim_plan_cache.sql"),
+        sql: include_str!("../sql/0013_claim_plan_cache.sql"),
     },
     Migration {
         version: 14,
         name: "0014_late_events.sql",
-        sql: include_str!("../../sql/0014_late_events.sql"),
+        sql: include_str!("../sql/0014_late_events.sql"),
+    },
+    Migration {
+        version: 17,
+        name: "0017_contract.sql",
+        sql: include_str!("../sql/0017_contract.sql"),
     },
     Migration {
         version: 18,

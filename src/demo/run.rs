@@ -19,7 +19,8 @@ use crate::telemetry::Telemetry;
 use outbox_kit::consumer::runner::{
     self, ConsumerConfig, ConsumerDeps, Context, Handler, HandlerError, Message,
 };
-use outbox_kit::db::{DbTarget, deadline};
+use outbox_kit::db::DbTarget;
+use outbox_kit::internal::deadline;
 use outbox_kit::producer::{NewEvent, Outbox};
 use outbox_kit::schema;
 

@@ -4,7 +4,8 @@
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 
-use outbox_kit::db::{DbError, deadline};
+use outbox_kit::db::DbError;
+use outbox_kit::internal::deadline;
 
 /// One blocked key as the operator sees it.
 #[derive(Clone, Debug, PartialEq)]

@@ -19,7 +19,8 @@ use uuid::Uuid;
 
 use super::hand::Key;
 use super::publish::Acked;
-use outbox_kit::db::{DbError, deadline};
+use outbox_kit::db::DbError;
+use outbox_kit::internal::deadline;
 
 /// A pending row as claimed, with everything needed to publish it.
 #[derive(Clone, Debug)]

@@ -469,7 +469,7 @@ impl Hand {
         max: std::time::Duration,
         now: Instant,
     ) -> Instant {
-        now + outbox_kit::backoff::retry_delay(attempts, min, max)
+        now + outbox_kit::internal::retry_delay(attempts, min, max)
     }
 }
 

@@ -14,8 +14,9 @@ use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 use outbox_kit::contract::Schema;
-use outbox_kit::db::{DbError, DbTarget, deadline};
-use outbox_kit::down::Down;
+use outbox_kit::db::{DbError, DbTarget};
+use outbox_kit::internal::Down;
+use outbox_kit::internal::deadline;
 
 use crate::telemetry::Telemetry;
 
@@ -41,7 +42,7 @@ pub(crate) async fn run(
     shutdown: CancellationToken,
 ) {
     let mut backoff =
-        outbox_kit::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        outbox_kit::internal::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
     let mut down = Down::new("listen");
     let mut connections = 0u64;
     loop {

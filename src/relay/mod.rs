@@ -34,10 +34,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use outbox_kit::amqp::AmqpTarget;
-use outbox_kit::backoff::Backoff;
 use outbox_kit::contract::Schema;
-use outbox_kit::db::{DbTarget, deadline};
-use outbox_kit::down::Down;
+use outbox_kit::db::DbTarget;
+use outbox_kit::internal::Backoff;
+use outbox_kit::internal::Down;
+use outbox_kit::internal::deadline;
 
 use crate::telemetry::Telemetry;
 use engine::Engine;

@@ -12,8 +12,9 @@ use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;
 use tokio_util::sync::CancellationToken;
 
-use outbox_kit::db::{DbError, deadline};
-use outbox_kit::down::Down;
+use outbox_kit::db::DbError;
+use outbox_kit::internal::Down;
+use outbox_kit::internal::deadline;
 
 use crate::telemetry::Telemetry;
 

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use outbox_kit::backoff::Backoff;
-use outbox_kit::down::Down;
+use outbox_kit::internal::Backoff;
+use outbox_kit::internal::Down;
 
 /// When an operation that failed may run again (and its down/recovered log lines).
 #[derive(Debug)]

@@ -7,11 +7,14 @@
 //! - The Dockerfile builds with the command CI's build is checked against, from the locked
 //!   dependencies, and its runtime stage runs as a non-root user.
 //! - The container probe script answers for a real relay.
+//! - The Kubernetes Job migrates, then applies sql/roles.sql from the image: its psql
+//!   command runs as written against a test database.
 //! - The systemd unit passes `systemd-analyze verify` without a single warning.
 //! - The RabbitMQ definitions import into a throw-away vhost of the running broker
 //!   (`rabbitmqctl import_definitions`, no management plugin needed), the relay publishes
 //!   into that topology as the compose stack's broker user, and dead-lettering works:
-//!   a rejected message and one past the policy's delivery limit reach the dead-letter queue.
+//!   a rejected message and one past the policy's delivery limit reach the dead-letter queue;
+//!   the compose stack's consumer user may declare what the consumer kit declares.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -617,7 +620,7 @@ async fn kubernetes_sidecar_example_is_consistent() {
     };
 
     let job = by_kind("Job");
-    let migrate = &job["spec"]["template"]["spec"]["containers"][0];
+    let migrate = &job["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(strings(&migrate["args"]), ["migrate"]);
     assert_args_parse("kubernetes Job", &strings(&migrate["args"])).await;
     check_env(migrate, &known_migrate);
@@ -689,6 +692,136 @@ async fn kubernetes_sidecar_example_is_consistent() {
         grace > drain,
         "terminationGracePeriodSeconds {grace:?} must exceed {drain:?}"
     );
+}
+
+/// The Kubernetes example's Job migrates, then applies sql/roles.sql from the same
+/// release's image: the image carries the file (the Dockerfile copies it), an init
+/// container copies it to a volume the psql container reads, and that container's command,
+/// run here as written against a test database, grants the three roles.
+#[tokio::test]
+async fn kubernetes_job_migrates_then_applies_roles_sql() {
+    let docs = yaml_docs(&deploy_dir().join("kubernetes/relay-sidecar.yaml"));
+    let job = docs.iter().find(|d| d["kind"] == "Job").expect("the Job");
+    let pod = &job["spec"]["template"]["spec"];
+    let init = pod["initContainers"].as_array().expect("init containers");
+    assert_eq!(strings(&init[0]["args"]), ["migrate"], "migrations first");
+    let copy = strings(&init[1]["command"]);
+    assert_eq!(
+        copy[0], "cp",
+        "then roles.sql copied out of the image: {copy:?}"
+    );
+    let (image_path, shared_path) = (&copy[1], &copy[2]);
+    assert_eq!(init[1]["image"], init[0]["image"], "from the same image");
+
+    // The image has the file where the Job looks for it.
+    let dockerfile = read("Dockerfile");
+    assert!(
+        dockerfile
+            .lines()
+            .any(|l| l.trim() == format!("COPY sql/roles.sql {image_path}")),
+        "the Dockerfile copies sql/roles.sql to {image_path}"
+    );
+    // The copy lands on a volume the psql container mounts at the same place.
+    let mount_of = |c: &Value| -> (String, String) {
+        let m = c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| Path::new(shared_path).starts_with(m["mountPath"].as_str().unwrap()))
+            .unwrap_or_else(|| panic!("{shared_path} is not on a volume of {}", c["name"]));
+        (
+            m["name"].as_str().unwrap().to_owned(),
+            m["mountPath"].as_str().unwrap().to_owned(),
+        )
+    };
+    let roles = &pod["containers"][0];
+    assert_eq!(mount_of(&init[1]), mount_of(roles));
+    let volume = mount_of(roles).0;
+    assert!(
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"] == volume.as_str() && v.get("emptyDir").is_some()),
+        "{volume} is an emptyDir of the Job's pod"
+    );
+
+    // Run the psql container's command as written: the secret's values are the test's, the
+    // file is the repository's, and the role names are the test's own (through PSQLRC,
+    // which psql reads before the script: the manifest leaves them at their defaults).
+    let command = strings(&roles["command"]);
+    assert_eq!(&command[..2], ["sh", "-c"]);
+    let script = command[2].replace(
+        shared_path.as_str(),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/sql/roles.sql"),
+    );
+    assert!(
+        script.contains("roles.sql") && script.contains("psql "),
+        "{script}"
+    );
+    let db = TestDb::new().await;
+    let names = ["relay", "producer", "consumer"].map(|r| format!("outbox_it_k8s_{r}"));
+    let rc = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{}.psqlrc", db.name));
+    std::fs::write(
+        &rc,
+        format!(
+            "\\set relay_role {}\n\\set producer_role {}\n\\set consumer_role {}\n",
+            names[0], names[1], names[2]
+        ),
+    )
+    .unwrap();
+    let mut env: Vec<(String, String)> = vec![("PSQLRC".into(), rc.display().to_string())];
+    for e in roles["env"].as_array().unwrap() {
+        let key = e["valueFrom"]["secretKeyRef"]["key"].as_str().unwrap();
+        let value = match key {
+            "owner-database-url" => db.url(),
+            k if k.ends_with("-password") => "outbox-it-role".to_owned(),
+            k => panic!("the psql container reads secret key {k}, which this test does not know"),
+        };
+        env.push((e["name"].as_str().unwrap().to_owned(), value));
+    }
+    let run = || async {
+        let out = tokio::time::timeout(
+            Duration::from_secs(60),
+            tokio::process::Command::new("sh")
+                .args(["-c", &script])
+                .envs(env.iter().cloned())
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("psql within 60 s")
+        .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (mut code, mut stderr) = run().await;
+    if code != Some(0) && stderr.contains("already exists") {
+        // Another test run created the same role between roles.sql's check and its CREATE.
+        (code, stderr) = run().await;
+    }
+    assert_eq!(code, Some(0), "the Job's psql command failed: {stderr}");
+    let client = db.client().await;
+    for (role, privilege, table) in [
+        (&names[0], "UPDATE", "outbox_key_seq"),
+        (&names[1], "INSERT", "outbox_events"),
+        (&names[2], "SELECT", "outbox_inbox"),
+    ] {
+        let granted: bool = tokio::time::timeout(
+            Duration::from_secs(30),
+            client.query_one(
+                "SELECT has_any_column_privilege($1, $2, $3)",
+                &[role, &table, &privilege],
+            ),
+        )
+        .await
+        .unwrap()
+        .unwrap()
+        .get(0);
+        assert!(granted, "{role} may not {privilege} {table}");
+    }
 }
 
 fn definitions() -> Value {
@@ -803,6 +936,97 @@ fn into_vhost(doc: &Value, vhost: &str, suffix: &str) -> Value {
     Value::Object(out)
 }
 
+/// Removes a throw-away vhost and user however the test ends (a vhost takes its queues and
+/// permissions with it).
+struct Cleanup(String, String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for args in [["delete_vhost", &self.0], ["delete_user", &self.1]] {
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(args)
+                .output();
+        }
+    }
+}
+
+/// Imports the definitions into `vhost` with the compose stack's broker `user` (its
+/// password hash and permissions, renamed with `suffix`); guest may do anything there.
+async fn import_with_compose_user(vhost: &str, suffix: &str, user: &str) -> Cleanup {
+    let topology = into_vhost(&definitions(), vhost, suffix);
+    let users: Value = serde_json::from_str(&read("rabbitmq/compose-users.json")).unwrap();
+    let users = into_vhost(&users, vhost, suffix);
+    let mut import = topology.as_object().unwrap().clone();
+    let only = |key: &str, field: &str| -> Vec<Value> {
+        users[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|u| u[field] == format!("{user}{suffix}"))
+            .cloned()
+            .collect()
+    };
+    let mut permissions = only("permissions", "user");
+    assert_eq!(permissions.len(), 1, "compose-users.json defines {user}");
+    // The test itself reads the queues as guest.
+    permissions.push(
+        json!({"user": "guest", "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}),
+    );
+    import.insert("users".into(), Value::Array(only("users", "name")));
+    import.insert("permissions".into(), Value::Array(permissions));
+    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{vhost}.json"));
+    std::fs::write(
+        &file,
+        serde_json::to_vec_pretty(&Value::Object(import)).unwrap(),
+    )
+    .unwrap();
+    let cleanup = Cleanup(vhost.to_owned(), format!("{user}{suffix}"));
+    rabbitmqctl(&["import_definitions", file.to_str().unwrap()]).await;
+    cleanup
+}
+
+/// The broker's host and port as the tests reach it.
+fn amqp_host() -> String {
+    amqp_url()
+        .strip_prefix("amqp://")
+        .and_then(|r| r.split_once('@'))
+        .map(|(_, h)| h.split('/').next().unwrap().to_owned())
+        .unwrap()
+}
+
+/// The compose stack's consumer user (`app` / `app-dev`, docs/operating.md) may declare
+/// what the consumer kit declares at start-up for its queue `app.billing`: the source
+/// exchange `outbox.events` (topic, durable, as the definitions have it) and its
+/// dead-letter exchange `app.billing.dlx`.
+#[tokio::test]
+async fn compose_app_user_declares_what_the_kit_declares() {
+    let vhost = unique("it-app").replace('_', "-");
+    let suffix = format!("-{vhost}");
+    let _cleanup = import_with_compose_user(&vhost, &suffix, "app").await;
+    let app = AmqpTarget::parse(&format!(
+        "amqp://app{suffix}:app-dev@{}/{vhost}",
+        amqp_host()
+    ))
+    .unwrap()
+    .connect("outbox-it-app")
+    .await
+    .expect("connect as the compose stack's app user");
+    for (exchange, kind) in [
+        ("outbox.events", lapin::ExchangeKind::Topic),
+        ("app.billing.dlx", lapin::ExchangeKind::Fanout),
+    ] {
+        // A refused declare closes its channel: one channel each.
+        let ch = tokio::time::timeout(Duration::from_secs(15), app.create_channel())
+            .await
+            .unwrap()
+            .unwrap();
+        outbox_kit::amqp::declare_exchange(&ch, exchange, kind, false)
+            .await
+            .unwrap_or_else(|e| panic!("app may not declare {exchange}: {e}"));
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(15), app.close(200, "done".into())).await;
+}
+
 /// The definitions (and the compose stack's relay user, its password hash and permissions)
 /// imported into a throw-away vhost: the relay publishes into that topology as that user, the
 /// policy applies, and dead-lettering reaches the dead-letter queue both on reject and past
@@ -824,54 +1048,10 @@ async fn rabbitmq_definitions_import_and_carry_events() {
         .unwrap();
     let (user, password) = creds.split_once(':').unwrap();
 
-    let topology = into_vhost(&definitions(), &vhost, &suffix);
-    let users: Value = serde_json::from_str(&read("rabbitmq/compose-users.json")).unwrap();
-    let users = into_vhost(&users, &vhost, &suffix);
-    let mut import = topology.as_object().unwrap().clone();
-    let only_relay = |key: &str, field: &str| -> Vec<Value> {
-        users[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|u| u[field] == format!("{user}{suffix}"))
-            .cloned()
-            .collect()
-    };
-    let mut permissions = only_relay("permissions", "user");
-    assert_eq!(permissions.len(), 1, "compose-users.json defines {user}");
-    // The test itself reads the queues as guest.
-    permissions.push(
-        json!({"user": "guest", "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}),
-    );
-    import.insert("users".into(), Value::Array(only_relay("users", "name")));
-    import.insert("permissions".into(), Value::Array(permissions));
-    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{vhost}.json"));
-    std::fs::write(
-        &file,
-        serde_json::to_vec_pretty(&Value::Object(import)).unwrap(),
-    )
-    .unwrap();
-    // Removed however the test ends (a vhost takes its queues and permissions with it).
-    struct Cleanup(String, String);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            for args in [["delete_vhost", &self.0], ["delete_user", &self.1]] {
-                let _ = std::process::Command::new("rabbitmqctl")
-                    .args(args)
-                    .output();
-            }
-        }
-    }
-    let _cleanup = Cleanup(vhost.clone(), format!("{user}{suffix}"));
-    rabbitmqctl(&["import_definitions", file.to_str().unwrap()]).await;
+    let _cleanup = import_with_compose_user(&vhost, &suffix, user).await;
 
     {
-        let base = amqp_url();
-        let host = base
-            .strip_prefix("amqp://")
-            .and_then(|r| r.split_once('@'))
-            .map(|(_, h)| h.split('/').next().unwrap().to_owned())
-            .unwrap();
+        let host = amqp_host();
         let relay_amqp =
             AmqpTarget::parse(&format!("amqp://{user}{suffix}:{password}@{host}/{vhost}")).unwrap();
         let guest = AmqpTarget::parse(&format!("amqp://guest:guest@{host}/{vhost}"))

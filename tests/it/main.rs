@@ -6,6 +6,7 @@ mod support;
 mod claim_limits;
 mod cluster;
 mod consumer;
+mod contract;
 mod dashboard;
 mod demo;
 mod deploy;

@@ -435,3 +435,64 @@ async fn explained(db: &TestDb, script: &str) -> String {
     assert!(out.status.success(), "{out:?}");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
+
+/// Migration 0017 replaces `outbox_enqueue` (new optional arguments) and adds the
+/// three-argument `outbox_effect_claim` back: each takes the grants of the function it
+/// stands for, so a role that could enqueue or claim before the upgrade still can, without
+/// roles.sql run again, and PUBLIC still cannot.
+#[tokio::test]
+async fn migration_0017_keeps_the_grants_of_what_it_replaces() {
+    let (_, target) = empty_db().await;
+    let schema = Schema::default();
+    let client = target.connect(&schema, "m").await.unwrap();
+    let role = "outbox_it_migrate_0017";
+    let (before, after): (Vec<_>, Vec<_>) = outbox_kit::schema::MIGRATIONS
+        .iter()
+        .partition(|m| m.version < 17);
+    for m in before {
+        client
+            .batch_execute(&format!("BEGIN; {} COMMIT;", m.sql))
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", m.name));
+    }
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN CREATE ROLE {role} NOLOGIN;
+                 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;
+             REVOKE ALL ON FUNCTION outbox_enqueue(text, text, text, jsonb, jsonb, timestamptz) FROM PUBLIC;
+             GRANT EXECUTE ON FUNCTION outbox_enqueue(text, text, text, jsonb, jsonb, timestamptz) TO {role};
+             REVOKE ALL ON FUNCTION outbox_effect_claim(text, text, double precision, double precision, double precision) FROM PUBLIC;
+             GRANT EXECUTE ON FUNCTION outbox_effect_claim(text, text, double precision, double precision, double precision) TO {role};"
+        ))
+        .await
+        .unwrap();
+    for m in after {
+        client
+            .batch_execute(&format!("BEGIN; {} COMMIT;", m.sql))
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", m.name));
+    }
+    let may = |who: &'static str, function: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT has_function_privilege($1, $2, 'EXECUTE')",
+                    &[&who, &function],
+                )
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        }
+    };
+    let enqueue =
+        "outbox_enqueue(text, text, text, jsonb, jsonb, timestamptz, text, text, text, uuid, text)";
+    let claim = "outbox_effect_claim(text, text, double precision)";
+    assert!(may(role, enqueue).await, "the role keeps outbox_enqueue");
+    assert!(
+        may(role, claim).await,
+        "the role may claim with three arguments"
+    );
+    assert!(!may("public", enqueue).await, "PUBLIC stays without");
+    assert!(!may("public", claim).await, "PUBLIC stays without");
+}

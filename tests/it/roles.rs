@@ -446,6 +446,7 @@ async fn roles_sql_names_every_outbox_table_and_function() {
         "outbox_claim_lock_key",
         "outbox_uuid_v7",
         "outbox_utf8_valid",
+        "outbox_contract_version",
         "outbox_schema_migrations",
     ];
     let names = admin
@@ -491,6 +492,64 @@ async fn roles_sql_names_every_outbox_table_and_function() {
             "roles.sql explains why {helper} is left alone"
         );
     }
+}
+
+/// The producer role enqueues idempotently (SQL and the Rust API), reads the contract
+/// version and may call the documented `outbox_effect_claim` forms only as the consumer.
+#[tokio::test]
+async fn producer_role_enqueues_idempotently() {
+    let db = TestDb::new().await;
+    let roles = Roles::for_test("idem");
+    apply_roles(&db, &roles).await;
+    let producer = connect_as(&db, &roles.producer).await;
+    let deadline = Duration::from_secs(30);
+    let enqueue =
+        "SELECT outbox_enqueue('order', 'x', 'created', '{}', idempotency_key => 'req-1')";
+    let first: uuid::Uuid = tokio::time::timeout(deadline, producer.query_one(enqueue, &[]))
+        .await
+        .unwrap()
+        .expect("outbox_enqueue with a key as the producer role")
+        .get(0);
+    let again: uuid::Uuid = tokio::time::timeout(deadline, producer.query_one(enqueue, &[]))
+        .await
+        .unwrap()
+        .expect("a taken key as the producer role")
+        .get(0);
+    assert_eq!(first, again);
+    let outbox = Outbox::new("public").unwrap();
+    let event = NewEvent::new("order", "x", "created", json!({})).with_idempotency_key("req-1");
+    let rust = tokio::time::timeout(deadline, outbox.enqueue(&producer, &event))
+        .await
+        .unwrap()
+        .expect("the Rust API with a key as the producer role");
+    assert_eq!(rust, first);
+    let version: i32 = tokio::time::timeout(
+        deadline,
+        producer.query_one("SELECT outbox_contract_version()", &[]),
+    )
+    .await
+    .unwrap()
+    .expect("any role reads the contract version")
+    .get(0);
+    assert!(version >= 17);
+    let consumer = connect_as(&db, &roles.consumer).await;
+    assert_eq!(
+        sqlstate(
+            &consumer,
+            "SELECT * FROM outbox_effect_claim('none', 'w', 60)"
+        )
+        .await,
+        "ok",
+        "the consumer role may call the three-argument claim"
+    );
+    assert_eq!(
+        sqlstate(
+            &producer,
+            "SELECT * FROM outbox_effect_claim('none', 'w', 60)"
+        )
+        .await,
+        PERMISSION_DENIED
+    );
 }
 
 /// Before the migrations, roles.sql stops with a message saying what to do.
@@ -599,4 +658,92 @@ async fn relay_process_runs_under_the_relay_role() {
         "{}",
         relay.log_text()
     );
+}
+
+/// The role table in docs/operating.md says what roles.sql grants, both ways: every table,
+/// sequence and function roles.sql grants a role is named in that role's "may" cell (by
+/// name or by a `prefix_*` pattern), and every object the cell names is granted to it.
+#[test]
+fn the_role_table_in_operating_md_matches_roles_sql() {
+    use std::collections::{BTreeMap, BTreeSet};
+    let sql = std::fs::read_to_string(ROLES_SQL).unwrap();
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operating.md")).unwrap();
+    // What roles.sql grants, per role variable (relay, producer, consumer).
+    let mut granted: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    let statements: Vec<String> = sql
+        .split(';')
+        .map(|s| {
+            s.lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    for st in &statements {
+        let st = st.trim();
+        let Some((_, rest)) = st.split_once(" ON ") else {
+            continue;
+        };
+        if !st.starts_with("GRANT ") || !rest.contains(":\"schema\".") {
+            continue;
+        }
+        let (object, role) = rest.split_once(" TO ").expect("GRANT ... TO");
+        let object = object
+            .rsplit(":\"schema\".")
+            .next()
+            .unwrap()
+            .trim()
+            .to_owned();
+        for role in role.split(',') {
+            let role = role.trim().trim_matches(':').trim_matches('"');
+            let role = role.strip_suffix("_role").expect("a role variable");
+            granted.entry(role).or_default().insert(object.clone());
+        }
+    }
+    for line in sql.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("('") {
+            let (function, role) = rest.split_once("', ").unwrap();
+            if let Some(role) = role.strip_prefix(":'") {
+                let role = role.split('_').next().unwrap();
+                granted.entry(role).or_default().insert(function.to_owned());
+            }
+        }
+    }
+    let known: BTreeSet<String> = granted.values().flatten().cloned().collect();
+    assert!(known.len() > 40, "expected roles.sql's grants: {granted:?}");
+
+    for (role, objects) in &granted {
+        let row = doc
+            .lines()
+            .find(|l| l.starts_with(&format!("| `outbox_{role}` |")))
+            .unwrap_or_else(|| panic!("docs/operating.md has no row for outbox_{role}"));
+        let may = row.split('|').nth(2).unwrap();
+        let named: Vec<&str> = may
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|t| t.starts_with("outbox_"))
+            .collect();
+        let covered = |object: &str| {
+            named.iter().any(|t| match t.strip_suffix('*') {
+                Some(prefix) => object.starts_with(prefix),
+                None => *t == object,
+            })
+        };
+        let unnamed: Vec<&String> = objects.iter().filter(|o| !covered(o)).collect();
+        assert!(
+            unnamed.is_empty(),
+            "roles.sql grants outbox_{role} {unnamed:?}, which its row in docs/operating.md does not name"
+        );
+        let not_granted: Vec<&&str> = named
+            .iter()
+            .filter(|t| !t.ends_with('*') && known.contains(**t) && !objects.contains(**t))
+            .collect();
+        assert!(
+            not_granted.is_empty(),
+            "docs/operating.md says outbox_{role} may use {not_granted:?}, which roles.sql does not grant it"
+        );
+    }
 }

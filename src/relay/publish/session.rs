@@ -16,7 +16,8 @@ use lapin::{Connection, ExchangeKind};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use outbox_kit::amqp::{self, AmqpError, AmqpTarget, rpc};
+use outbox_kit::amqp::{self, AmqpError, AmqpTarget};
+use outbox_kit::internal::rpc;
 
 use super::SettledBatch;
 use super::lane::Lane;
@@ -99,7 +100,8 @@ impl Session {
         generation: u64,
         settled: mpsc::UnboundedSender<SettledBatch>,
     ) -> Result<Session, AmqpError> {
-        let (conn, node) = target.connect_node(&config.connection_name).await?;
+        let (conn, node) =
+            outbox_kit::internal::connect_node(target, &config.connection_name).await?;
         let lost = Lost::new(target, node);
         let setup = async {
             // The default exchange ("", replay's) always exists and cannot be declared.
