@@ -177,6 +177,18 @@ pub async fn serve(
         .layer(middleware::from_fn_with_state(state.clone(), timed))
         .with_state(state);
 
+    serve_app(listener, app, limits, shutdown).await
+}
+
+/// Serves `app` on `listener` until `shutdown` with the client limits of `limits` (header
+/// read time, open connections); connections still open then get [`Limits::request`] to
+/// finish. The relay's endpoint and the group router's share it.
+pub async fn serve_app(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read);

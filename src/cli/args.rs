@@ -86,6 +86,10 @@ pub enum Command {
     /// Consumer kit: the keys of ordered consumer groups blocked after a dead letter
     /// (block-key), longest blocked first, with how many later events each holds.
     ConsumerBlocked(ConsumerBlockedArgs),
+    /// Consumer kit: route an ordered consumer group's events from its intake queue to its
+    /// partition queues, for groups whose members are not Rust (they consume the partition
+    /// queues and use the outbox_group_* SQL functions).
+    GroupRouter(super::group_router::GroupRouterArgs),
     /// A first run on local services: creates a demo database, produces events at a rate,
     /// runs the relay and a consumer in this process, shows progress and a summary.
     Demo(DemoArgs),

@@ -72,6 +72,7 @@ pub enum Config {
         json: bool,
     },
     Demo(outbox_relay::demo::DemoConfig),
+    GroupRouter(super::group_router::GroupRouterConfig),
 }
 
 impl Cli {
@@ -200,6 +201,7 @@ impl Cli {
                 })
             }
             Command::Run(a) => a.parse(files),
+            Command::GroupRouter(a) => a.parse(files),
         }
     }
 }

@@ -13,6 +13,7 @@
 mod args;
 mod config;
 mod demo;
+pub mod group_router;
 pub mod logging;
 mod run;
 #[cfg(test)]

@@ -5,34 +5,19 @@
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::time::Duration;
 
-use outbox_kit::amqp::AmqpTarget;
-use outbox_kit::contract::{ConfigError, DEFAULT_AMQP_URL, Secret, validate_exchange};
+use outbox_kit::contract::{ConfigError, Secret, validate_exchange};
 use outbox_relay::relay::{OnPark, RelayConfig};
 
 use super::args::RunArgs;
 use super::config::Config;
-use super::values::{SecretFiles, duration, http_listen, positive, secret_value};
+use super::values::{SecretFiles, amqp_target, duration, http_listen, positive, secret_value};
 
 impl RunArgs {
     /// `outbox-relay run`: the connections, the HTTP endpoint and the relay's [`RelayConfig`].
     pub(super) fn parse(&self, files: &SecretFiles) -> Result<Config, ConfigError> {
         let a = self;
         let (db, schema) = a.db.parse(files)?;
-        let amqp_url = secret_value(
-            "--amqp-url",
-            "AMQP_URL",
-            a.amqp_url.as_deref(),
-            files.amqp_url.as_deref(),
-            Some(DEFAULT_AMQP_URL),
-        )?
-        .unwrap_or_default();
-        let mut amqp =
-            AmqpTarget::parse(&amqp_url).map_err(|e| ConfigError::new("--amqp-url", e))?;
-        if let Some(ca) = &a.amqp_ca_file {
-            amqp = amqp
-                .with_ca_file(ca)
-                .map_err(|e| ConfigError::new("--amqp-ca-file", e))?;
-        }
+        let amqp = amqp_target(a.amqp_url.as_deref(), a.amqp_ca_file.as_deref(), files)?;
         let admin_token = secret_value(
             "--admin-token",
             "OUTBOX_ADMIN_TOKEN",

@@ -6,7 +6,10 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
-use outbox_kit::contract::{ConfigError, DEFAULT_DATABASE_URL, Schema, parse_duration};
+use outbox_kit::amqp::AmqpTarget;
+use outbox_kit::contract::{
+    ConfigError, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL, Schema, parse_duration,
+};
 use outbox_kit::db::DbTarget;
 use outbox_relay::operator::ParkedFilter;
 
@@ -123,5 +126,28 @@ impl DbArgs {
         let db = DbTarget::parse(&url).map_err(|e| ConfigError::new("--database-url", e))?;
         let schema = Schema::parse(&self.schema).map_err(|e| ConfigError::new("--schema", e))?;
         Ok((db, schema))
+    }
+}
+
+/// `--amqp-url` (or `AMQP_URL_FILE`, or the local default) with `--amqp-ca-file`.
+pub(super) fn amqp_target(
+    url: Option<&str>,
+    ca_file: Option<&std::path::Path>,
+    files: &SecretFiles,
+) -> Result<AmqpTarget, ConfigError> {
+    let url = secret_value(
+        "--amqp-url",
+        "AMQP_URL",
+        url,
+        files.amqp_url.as_deref(),
+        Some(DEFAULT_AMQP_URL),
+    )?
+    .unwrap_or_default();
+    let amqp = AmqpTarget::parse(&url).map_err(|e| ConfigError::new("--amqp-url", e))?;
+    match ca_file {
+        Some(ca) => amqp
+            .with_ca_file(ca)
+            .map_err(|e| ConfigError::new("--amqp-ca-file", e)),
+        None => Ok(amqp),
     }
 }
