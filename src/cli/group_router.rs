@@ -29,7 +29,7 @@ pub struct GroupRouterArgs {
     pub amqp_ca_file: Option<std::path::PathBuf>,
 
     /// The group's queue name: its intake is <queue>.intake, its partition queues
-    /// <queue>.p0, <queue>.p1, ... (zero-padded), its dead letters <queue>.dlq.
+    /// <queue>.p00, <queue>.p01, ..., its dead letters <queue>.dlq.
     #[arg(long, env = "OUTBOX_GROUP_QUEUE")]
     pub queue: String,
 
@@ -137,5 +137,81 @@ fn flag_of(field: &str) -> &'static str {
         "bindings" => "--binding",
         "partitions" => "--partitions",
         _ => "--queue",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Cli, Config, SecretFiles};
+    use outbox_kit::contract::ConfigError;
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        let mut argv = vec!["outbox-relay", "group-router"];
+        argv.extend_from_slice(args);
+        Cli::parse_args(argv)
+            .expect("clap accepts")
+            .into_config(&SecretFiles::default())
+    }
+
+    #[test]
+    fn the_defaults_make_a_group_named_after_its_queue() {
+        let Ok(Config::GroupRouter(c)) = parse(&["--queue", "billing"]) else {
+            panic!("a group router expected")
+        };
+        assert_eq!(c.group.name, "billing");
+        assert_eq!(c.group.intake_queue(), "billing.intake");
+        assert_eq!(c.group.partition_queue(7), "billing.p07");
+        assert_eq!(c.group.bindings, ["#"]);
+        assert_eq!(c.group.exchange, "outbox.events");
+        assert!(c.group.declare);
+        assert_eq!(c.http_listen, Some("127.0.0.1:9465".parse().unwrap()));
+        let _ = c.router();
+    }
+
+    #[test]
+    fn bad_values_name_their_flag() {
+        let flag = |args: &[&str]| parse(args).unwrap_err().flag;
+        assert_eq!(
+            flag(&["--queue", "billing", "--partitions", "0"]),
+            "--partitions"
+        );
+        assert_eq!(
+            flag(&["--queue", "billing", "--partitions", "1001"]),
+            "--partitions"
+        );
+        assert_eq!(
+            flag(&["--queue", "billing", "--binding", "order.created"]),
+            "--binding"
+        );
+        assert_eq!(flag(&["--queue", "a b"]), "--queue");
+        assert_eq!(
+            flag(&["--queue", "billing", "--exchange", ""]),
+            "--exchange"
+        );
+        assert_eq!(
+            flag(&["--queue", "billing", "--http-listen", "nowhere"]),
+            "--http-listen"
+        );
+    }
+
+    #[test]
+    fn bindings_and_the_name_come_from_flags() {
+        let Ok(Config::GroupRouter(c)) = parse(&[
+            "--queue",
+            "billing",
+            "--consumer",
+            "billing-v2",
+            "--binding",
+            "order.#",
+            "--binding",
+            "invoice.*",
+            "--no-declare",
+        ]) else {
+            panic!("a group router expected")
+        };
+        assert_eq!(c.group.name, "billing-v2");
+        assert_eq!(c.group.queue, "billing");
+        assert_eq!(c.group.bindings, ["order.#", "invoice.*"]);
+        assert!(!c.group.declare);
     }
 }

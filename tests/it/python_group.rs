@@ -14,7 +14,7 @@ use tokio_postgres::Client;
 
 use crate::deploy::{assert_args_parse, known_env, strings, yaml_docs};
 use crate::support::kit::delete_group_topology;
-use crate::support::process::{RelayProcess, binary};
+use crate::support::process::{RelayProcess, binary, run_to_end};
 use crate::support::{InProcessRelay, TestDb, amqp_url, unique, wait_for, wait_for_explained};
 
 const PARTITIONS: u16 = 4;
@@ -249,6 +249,29 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
         second.log_tail(20)
     );
     relay.stop().await;
+
+    // The group keeps its partition count: a router asking for another one exits 1 saying so.
+    let other = [
+        "group-router",
+        "--database-url",
+        &db.url(),
+        "--amqp-url",
+        &amqp_url(),
+        "--exchange",
+        &exchange,
+        "--queue",
+        &queue,
+        "--partitions",
+        "5",
+        "--http-listen",
+        "off",
+    ];
+    let (code, _, err) = tokio::time::timeout(Duration::from_secs(30), run_to_end(&other, &[]))
+        .await
+        .expect("group-router exits within 30 s");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("has 4 partitions, not 5"), "{err}");
+
     let mut group = ConsumerConfig::new(&queue, &exchange, &["#"]);
     group.ordered = Some(Ordered {
         partitions: std::num::NonZeroU16::new(PARTITIONS).unwrap(),
