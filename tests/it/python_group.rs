@@ -1,11 +1,16 @@
 //! An ordered consumer group with no Rust member: `outbox-relay group-router` (the binary)
 //! routes, and two members written in Python on the SQL functions
 //! (examples/python/outbox_group_member.py) apply the events. One member is killed with
-//! SIGKILL mid-stream; every event is still applied exactly once, in seq order per key.
+//! SIGKILL mid-stream and a third joins while events flow (partitions handed over with
+//! deliveries in hand); every event is still applied exactly once, in seq order per key.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use outbox_kit::amqp::AmqpTarget;
 
 use outbox_kit::consumer::runner::{ConsumerConfig, Ordered};
 use outbox_relay::relay::RelayConfig;
@@ -105,6 +110,12 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
     let exchange = unique("it_pyx");
     let queue = unique("it_pyq");
     let port = free_port();
+    // The group's names, as the router derives them.
+    let mut group = ConsumerConfig::new(&queue, &exchange, &["#"]);
+    group.ordered = Some(Ordered {
+        partitions: std::num::NonZeroU16::new(PARTITIONS).unwrap(),
+        ..Ordered::default()
+    });
     let partitions = PARTITIONS.to_string();
     let mut router = spawn_logged(
         &format!("{queue}-router"),
@@ -178,6 +189,47 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
         },
     )
     .await;
+    // The assignment settled: every partition queue has one consumer (a handover shows two,
+    // the old owner's and the waiting new one's), for three heartbeats in a row. Events
+    // inserted before that would all go to whichever member held the partitions first.
+    let probe = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-probe")
+        .await
+        .unwrap();
+    let settled_since = std::cell::Cell::new(None::<Instant>);
+    wait_for(
+        "one consumer on every partition queue",
+        Duration::from_secs(30),
+        || async {
+            let ch = probe.create_channel().await.ok()?;
+            let mut single = true;
+            for p in 0..PARTITIONS {
+                let q = ch
+                    .queue_declare(
+                        group.partition_queue(p).as_str().into(),
+                        QueueDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .ok()?;
+                single &= q.consumer_count() == 1;
+            }
+            let _ = ch.close(200, "probed".into()).await;
+            if !single {
+                settled_since.set(None);
+                return None;
+            }
+            let since = settled_since.get().unwrap_or_else(Instant::now);
+            settled_since.set(Some(since));
+            (since.elapsed() >= Duration::from_secs(2)).then_some(())
+        },
+    )
+    .await;
+    let _ = probe.close(200, "probed".into()).await;
 
     let mut relay_config = RelayConfig::new(&exchange);
     relay_config.poll_interval = Duration::from_millis(200);
@@ -185,17 +237,52 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
     let relay = InProcessRelay::start(&db, relay_config);
     let mut ids = db.insert_in(&client, 200, KEYS, "k").await;
 
-    // Mid-stream: some events applied, not all; then the first member dies at once.
+    // Mid-stream: both members applying; then the first dies at once, and the second batch
+    // comes after.
     wait_for(
-        "the members applying events",
+        "both members applying events",
         Duration::from_secs(30),
         || async {
-            let n = applied(&client).await?.len();
-            (n >= 40).then_some(())
+            let row = client
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE member LIKE 'm1#%'),
+                        count(*) FILTER (WHERE member LIKE 'm2#%')
+                   FROM example_applied",
+                    &[],
+                )
+                .await
+                .ok()?;
+            let (m1, m2): (i64, i64) = (row.get(0), row.get(1));
+            (m1 > 0 && m2 > 0 && m1 + m2 >= 40).then_some(())
         },
     )
     .await;
     first.signal("KILL");
+    // A third member joins while events flow: the second gives partitions up with
+    // deliveries in hand (closing their channels), the third takes them. Events keep coming
+    // until the third has applied some.
+    let mut third = spawn_logged(&format!("{queue}-m3"), "python3", &member_args("m3"));
+    let joined = Instant::now();
+    loop {
+        ids.extend(db.insert_in(&client, 20, KEYS, "k").await);
+        let by_third: i64 = client
+            .query_one(
+                "SELECT count(*) FROM example_applied WHERE member LIKE 'm3#%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if by_third > 0 {
+            break;
+        }
+        assert!(
+            joined.elapsed() < Duration::from_secs(30),
+            "the third member applied nothing within 30 s:\n{}",
+            third.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     ids.extend(db.insert_in(&client, 200, KEYS, "k").await);
 
     let done = wait_for_explained(
@@ -208,12 +295,13 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
         },
         || async {
             format!(
-                "; applied {:?} of {}; metrics:\n{}\nrouter:\n{}\nm2:\n{}",
+                "; applied {:?} of {}; metrics:\n{}\nrouter:\n{}\nm2:\n{}\nm3:\n{}",
                 applied(&client).await.map(|a| a.len()),
                 ids.len(),
                 metrics(port).await.unwrap_or_default(),
                 router.log_tail(10),
-                second.log_tail(20)
+                second.log_tail(20),
+                third.log_tail(20)
             )
         },
     )
@@ -233,9 +321,10 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
     let m = metrics(port).await.expect("router metrics");
     assert_eq!(metric(&m, "outbox_group_router_running"), Some(1), "{m}");
 
-    // SIGTERM: the router and the surviving member stop cleanly.
+    // SIGTERM: the router and the surviving members stop cleanly.
     router.signal("TERM");
     second.signal("TERM");
+    third.signal("TERM");
     assert_eq!(
         router.wait(Duration::from_secs(30)).await,
         Some(0),
@@ -247,6 +336,12 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
         Some(0),
         "member log:\n{}",
         second.log_tail(20)
+    );
+    assert_eq!(
+        third.wait(Duration::from_secs(30)).await,
+        Some(0),
+        "member log:\n{}",
+        third.log_tail(20)
     );
     relay.stop().await;
 
@@ -272,11 +367,6 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("has 4 partitions, not 5"), "{err}");
 
-    let mut group = ConsumerConfig::new(&queue, &exchange, &["#"]);
-    group.ordered = Some(Ordered {
-        partitions: std::num::NonZeroU16::new(PARTITIONS).unwrap(),
-        ..Ordered::default()
-    });
     delete_group_topology(&group).await;
 }
 
