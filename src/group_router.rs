@@ -18,8 +18,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
 use deadpool_postgres::Pool;
 use outbox_kit::consumer::runner::{ConsumerError, DepthProbe, GroupDepths, GroupRouter};
@@ -79,7 +78,7 @@ impl RouterTelemetry {
         let r = &mut t.registry;
         r.register(
             "outbox_group_router_running",
-            "1 while this process's router has its connection and intake consumer (active or waiting its turn)",
+            "1 while this process's router runs (connecting, routing, or waiting its turn on the intake); 0 between a failure and its restart",
             t.running.clone(),
         );
         r.register(
@@ -323,24 +322,9 @@ pub fn app(telemetry: Arc<RouterTelemetry>) -> Router {
 }
 
 async fn readyz(State(t): State<Arc<RouterTelemetry>>) -> Response {
-    if t.ready() {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {}\n", t.describe()),
-        )
-            .into_response()
-    }
+    crate::http::readiness(t.ready(), || t.describe())
 }
 
 async fn metrics(State(t): State<Arc<RouterTelemetry>>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        t.encode(),
-    )
-        .into_response()
+    crate::http::openmetrics(t.encode())
 }

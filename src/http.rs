@@ -328,24 +328,34 @@ async fn dashboard() -> Response {
 
 async fn readyz(State(state): State<HttpState>) -> Response {
     let health = &state.telemetry.health;
-    if health.ready() {
+    readiness(health.ready(), || health.describe())
+}
+
+/// A `/readyz` answer: 200 "ready", or 503 with why not.
+pub fn readiness(ready: bool, why_not: impl FnOnce() -> String) -> Response {
+    if ready {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {}\n", health.describe()),
+            format!("not ready: {}\n", why_not()),
         )
             .into_response()
     }
 }
 
 async fn metrics(State(state): State<HttpState>) -> Response {
+    openmetrics(state.telemetry.metrics.encode())
+}
+
+/// A `/metrics` answer in the OpenMetrics text format.
+pub fn openmetrics(text: String) -> Response {
     (
         [(
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.telemetry.metrics.encode(),
+        text,
     )
         .into_response()
 }

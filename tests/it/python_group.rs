@@ -18,6 +18,7 @@ use tokio::process::Command;
 use tokio_postgres::Client;
 
 use crate::deploy::{assert_args_parse, known_env, strings, yaml_docs};
+use crate::http_api::free_port;
 use crate::support::kit::delete_group_topology;
 use crate::support::process::{RelayProcess, binary, run_to_end};
 use crate::support::{InProcessRelay, TestDb, amqp_url, unique, wait_for, wait_for_explained};
@@ -48,14 +49,6 @@ fn member_script() -> String {
         .join("examples/python/outbox_group_member.py")
         .display()
         .to_string()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The router's `/metrics`, or None while it does not answer.
