@@ -1,8 +1,9 @@
 //! An ordered consumer group with no Rust member: `outbox-relay group-router` (the binary)
 //! routes, and two members written in Python on the SQL functions
 //! (examples/python/outbox_group_member.py) apply the events. One member is killed with
-//! SIGKILL mid-stream and a third joins while events flow (partitions handed over with
-//! deliveries in hand); every event is still applied exactly once, in seq order per key.
+//! SIGKILL mid-stream, a third joins while events flow (partitions handed over with
+//! deliveries in hand), and the router is replaced with SIGTERM while the intake has a
+//! backlog; every event is still applied exactly once, in seq order per key.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -102,7 +103,7 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
     let client = db.client().await;
     let exchange = unique("it_pyx");
     let queue = unique("it_pyq");
-    let port = free_port();
+    let mut port = free_port();
     // The group's names, as the router derives them.
     let mut group = ConsumerConfig::new(&queue, &exchange, &["#"]);
     group.ordered = Some(Ordered {
@@ -110,10 +111,8 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
         ..Ordered::default()
     });
     let partitions = PARTITIONS.to_string();
-    let mut router = spawn_logged(
-        &format!("{queue}-router"),
-        binary(),
-        &[
+    let router_args = |port: u16| -> Vec<String> {
+        vec![
             "group-router".into(),
             "--database-url".into(),
             db.url(),
@@ -127,8 +126,9 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
             partitions.clone(),
             "--http-listen".into(),
             format!("127.0.0.1:{port}"),
-        ],
-    );
+        ]
+    };
+    let mut router = spawn_logged(&format!("{queue}-router"), binary(), &router_args(port));
     let member_args = |name: &str| -> Vec<String> {
         vec![
             member_script(),
@@ -277,6 +277,18 @@ async fn python_members_apply_every_event_once_in_order_through_the_group_router
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     ids.extend(db.insert_in(&client, 200, KEYS, "k").await);
+
+    // The router is replaced while the intake has a backlog: SIGTERM finishes the copies in
+    // flight and exits 0; what it had not acked is routed by the next one, in order.
+    router.signal("TERM");
+    assert_eq!(
+        router.wait(Duration::from_secs(30)).await,
+        Some(0),
+        "router log:\n{}",
+        router.log_tail(20)
+    );
+    port = free_port();
+    router = spawn_logged(&format!("{queue}-router2"), binary(), &router_args(port));
 
     let done = wait_for_explained(
         "every event applied",
