@@ -159,7 +159,7 @@ impl RouterTelemetry {
 
     fn prepared(&self, exchange: &str, intake: &str, partitions: u16) {
         self.prepared.store(true, Ordering::Relaxed);
-        info!(target: "outbox_relay", consumer = %self.consumer, exchange, intake, partitions, "group prepared: partition count recorded, topology declared");
+        info!(target: "outbox_relay", consumer = %self.consumer, exchange, intake, partitions, "group prepared: partition count recorded, topology in place");
     }
 
     fn router_started(&self) {
