@@ -112,4 +112,11 @@ ensure_test_tools() {
       apt_install python3-yaml ||
       log "PyYAML is missing: pip install pyyaml"
   fi
+  # The Python consumer-group member (examples/python) and its test: psycopg 3 and pika.
+  if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import psycopg, pika' >/dev/null 2>&1; then
+    log "installing psycopg and pika (Python)"
+    python3 -m pip install --quiet 'psycopg[binary]' pika >/dev/null 2>&1 ||
+      apt_install python3-psycopg python3-pika ||
+      log "psycopg or pika is missing: pip install 'psycopg[binary]' pika"
+  fi
 }

@@ -178,6 +178,18 @@ pub async fn serve(
         .layer(middleware::from_fn_with_state(state.clone(), timed))
         .with_state(state);
 
+    serve_app(listener, app, limits, shutdown).await
+}
+
+/// Serves `app` on `listener` until `shutdown` with the client limits of `limits` (header
+/// read time, open connections); connections still open then get [`Limits::request`] to
+/// finish. The relay's endpoint and the group router's share it.
+pub async fn serve_app(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read);
@@ -317,24 +329,34 @@ async fn dashboard() -> Response {
 
 async fn readyz(State(state): State<HttpState>) -> Response {
     let health = &state.telemetry.health;
-    if health.ready() {
+    readiness(health.ready(), || health.describe())
+}
+
+/// A `/readyz` answer: 200 "ready", or 503 with why not.
+pub fn readiness(ready: bool, why_not: impl FnOnce() -> String) -> Response {
+    if ready {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {}\n", health.describe()),
+            format!("not ready: {}\n", why_not()),
         )
             .into_response()
     }
 }
 
 async fn metrics(State(state): State<HttpState>) -> Response {
+    openmetrics(state.telemetry.metrics.encode())
+}
+
+/// A `/metrics` answer in the OpenMetrics text format.
+pub fn openmetrics(text: String) -> Response {
     (
         [(
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.telemetry.metrics.encode(),
+        text,
     )
         .into_response()
 }

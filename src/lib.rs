@@ -11,6 +11,7 @@
 //! parses flags (src/cli/) and passes connections and a shutdown token in.
 
 pub mod demo;
+pub mod group_router;
 pub mod http;
 pub mod operator;
 pub mod relay;

@@ -123,6 +123,7 @@ fn shutdown_on_signals() -> CancellationToken {
 async fn run(config: Config) -> anyhow::Result<()> {
     match config {
         Config::Demo(cfg) => run_demo(cfg).await,
+        Config::GroupRouter(cfg) => run_group_router(cfg).await,
         Config::Operator { db, command } => {
             let client = connect(&db, command.name()).await?;
             run_operator(client, &db, command).await
@@ -373,6 +374,37 @@ async fn run_demo(cfg: demo::DemoConfig) -> anyhow::Result<()> {
         }
         Err(e) => Err(anyhow::Error::new(e).context("demo failed")),
     }
+}
+
+/// `group-router`: the HTTP endpoint first (probes see "not ready" until the group is
+/// prepared), then the router until SIGTERM; the endpoint stays up while it drains.
+async fn run_group_router(cfg: cli::group_router::GroupRouterConfig) -> anyhow::Result<()> {
+    use outbox_relay::group_router::{self, RouterTelemetry};
+    let shutdown = shutdown_on_signals();
+    let telemetry = std::sync::Arc::new(RouterTelemetry::new(&cfg.group.name));
+    let http_stop = CancellationToken::new();
+    let http = match cfg.http_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| BadFlag(format!("--http-listen: cannot listen on {addr}: {e}")))?;
+            let app = group_router::app(telemetry.clone());
+            Some(tokio::spawn(http::serve_app(
+                listener,
+                app,
+                http::Limits::default(),
+                http_stop.clone(),
+            )))
+        }
+        None => None,
+    };
+    let pool = cfg.db.pool(&cfg.schema, "outbox-relay-group-router", 2);
+    let result = group_router::run(cfg.router(), pool, telemetry, shutdown).await;
+    http_stop.cancel();
+    if let Some(h) = http {
+        let _ = h.await;
+    }
+    result.context("group router failed")
 }
 
 /// One line per stuck effect (for review), then a summary line.

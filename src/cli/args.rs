@@ -89,6 +89,10 @@ pub enum Command {
     /// Re-publish retained, dispatched events to one queue (a consumer added late, or one
     /// whose database was restored); resumable under its --name.
     Replay(ReplayArgs),
+    /// Consumer kit: route an ordered consumer group's events from its intake queue to its
+    /// partition queues, for groups whose members are not Rust (they consume the partition
+    /// queues and use the outbox_group_* SQL functions).
+    GroupRouter(super::group_router::GroupRouterArgs),
     /// A first run on local services: creates a demo database, produces events at a rate,
     /// runs the relay and a consumer in this process, shows progress and a summary.
     Demo(DemoArgs),

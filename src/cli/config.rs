@@ -32,6 +32,7 @@ pub enum Config {
         stage_trace: Option<std::path::PathBuf>,
     },
     Demo(outbox_relay::demo::DemoConfig),
+    GroupRouter(super::group_router::GroupRouterConfig),
     /// A command that connects to the database, does one job and exits.
     Operator {
         db: Database,
@@ -111,6 +112,7 @@ impl Cli {
         let (db, command) = match self.command {
             Command::Run(a) => return a.parse(files),
             Command::Demo(a) => return Ok(Config::Demo(a.parse(files)?)),
+            Command::GroupRouter(a) => return a.parse(files),
             Command::Migrate(db) => (db, Operator::Migrate),
             Command::Status(a) => (
                 a.db,

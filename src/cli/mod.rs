@@ -14,6 +14,7 @@
 mod args;
 mod config;
 mod demo;
+pub mod group_router;
 pub mod logging;
 mod replay;
 mod run;

@@ -38,7 +38,7 @@ fn read(rel: &str) -> String {
 }
 
 /// The documents of a YAML file, as JSON.
-fn yaml_docs(path: &Path) -> Vec<Value> {
+pub(crate) fn yaml_docs(path: &Path) -> Vec<Value> {
     let out = std::process::Command::new("python3")
         .args([
             "-c",
@@ -63,7 +63,7 @@ fn yaml(rel: &str) -> Value {
 }
 
 /// Every environment variable `outbox-relay <command>` reads, from its --help.
-async fn known_env(command: &str) -> BTreeSet<String> {
+pub(crate) async fn known_env(command: &str) -> BTreeSet<String> {
     let (code, help, _) = run_to_end(&[command, "--help"], &[]).await;
     assert_eq!(code, 0);
     let mut names: BTreeSet<String> = BTreeSet::new();
@@ -79,7 +79,7 @@ async fn known_env(command: &str) -> BTreeSet<String> {
 }
 
 /// A command line from a deploy file is one the binary accepts.
-async fn assert_args_parse(what: &str, args: &[String]) {
+pub(crate) async fn assert_args_parse(what: &str, args: &[String]) {
     let mut with_help: Vec<&str> = args.iter().map(String::as_str).collect();
     with_help.push("--help");
     let (code, out, err) = run_to_end(&with_help, &[]).await;
@@ -91,7 +91,7 @@ async fn assert_args_parse(what: &str, args: &[String]) {
     );
 }
 
-fn strings(v: &Value) -> Vec<String> {
+pub(crate) fn strings(v: &Value) -> Vec<String> {
     v.as_array()
         .unwrap_or_else(|| panic!("a list expected: {v}"))
         .iter()

@@ -48,6 +48,11 @@ const SECTIONS: &[(&[&str], &str, &str)] = &[
         "### Releasing a blocked key: `outbox-relay consumer-release`",
     ),
     (
+        &["group-router"],
+        "docs/consumer-kit.md",
+        "## Ordered groups in any language: `outbox-relay group-router`",
+    ),
+    (
         &["demo"],
         "docs/running.md",
         "## Try it: `outbox-relay demo`",

@@ -297,7 +297,7 @@ async fn database_errors_reach_only_callers_with_the_token() {
 }
 
 /// A port nobody listens on right now (the relay process binds it).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

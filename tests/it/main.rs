@@ -18,6 +18,7 @@ mod layout;
 mod migrate;
 mod notifications;
 mod operability;
+mod python_group;
 mod relay_core;
 mod relay_faults;
 mod relay_state;

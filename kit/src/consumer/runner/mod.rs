@@ -37,6 +37,7 @@
 mod config;
 mod group;
 mod handler;
+mod lone_router;
 mod message;
 mod partition;
 mod process;
@@ -60,6 +61,7 @@ use crate::contract::ConfigError;
 
 pub use config::{ConsumerConfig, OnDead, Ordered};
 pub use handler::{Context, Handler, HandlerError};
+pub use lone_router::{DepthProbe, GroupDepths, GroupRouter};
 pub use message::Message;
 
 use process::Shared;
