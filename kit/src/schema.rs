@@ -93,6 +93,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0014_late_events.sql",
         sql: include_str!("../../sql/0014_late_events.sql"),
     },
+    Migration {
+        version: 16,
+        name: "0016_effect_order.sql",
+        sql: include_str!("../../sql/0016_effect_order.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.
