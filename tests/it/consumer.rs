@@ -78,25 +78,10 @@ async fn applied(client: &Client) -> Vec<(String, Option<i64>, uuid::Uuid)> {
 }
 
 async fn queue_depth(queue: &str) -> u32 {
-    let conn = outbox_kit::amqp::AmqpTarget::parse(&crate::support::amqp_url())
-        .unwrap()
-        .connect("outbox-it-depth")
+    kit::queue_counts(&crate::support::amqp_url(), queue)
         .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    let _ = conn.close(200, "ok".into()).await;
-    q.message_count()
+        .unwrap_or_else(|| panic!("queue {queue} cannot be read within its deadline"))
+        .0
 }
 
 async fn enqueue(client: &Client, key: &str, dest: &str, budget: Option<(&str, &str, i64)>) -> i64 {
@@ -911,4 +896,34 @@ async fn a_commit_that_went_through_is_not_dead_lettered_unordered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_that_went_through_is_not_dead_lettered_in_a_group() {
     a_commit_that_went_through_is_not_dead_lettered(true).await;
+}
+
+/// A test's broker call never hangs: a raw publish whose connection went silent (a
+/// blackhole: no answer, no close) fails within its deadline, naming what it waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_publish_on_a_silent_connection_fails_within_its_deadline() {
+    use crate::support::proxy::{Mode, TcpProxy};
+    let proxy = TcpProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port());
+    let publisher = RawPublisher::on(&url, "amq.topic").await;
+    proxy.set(Mode::Blackhole);
+    let publish = tokio::spawn(async move {
+        publisher.publish(&RawEvent::new("k", 1, json!({}))).await;
+    });
+    let ended = tokio::time::timeout(Duration::from_secs(40), publish)
+        .await
+        .expect("the publish ends within 40 s (its deadline is 15 s) instead of hanging");
+    let panic = ended
+        .expect_err("a publish nobody confirms fails")
+        .into_panic();
+    let said = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_default();
+    assert!(
+        said.contains("basic.publish") || said.contains("confirm"),
+        "the failure names the call it waited for: {said}"
+    );
+    proxy.set(Mode::Pass);
 }
