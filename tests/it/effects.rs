@@ -515,14 +515,33 @@ impl Handler for Performer {
 /// out (looked up: not there; sent), then X2 goes: each once, X1 first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_effect_dropped_mid_send_goes_out_before_the_next_one_of_its_key() {
+    dropped_mid_send(false).await;
+}
+
+/// The same in an ordered group, where e2 waits behind e1 in its lane: e1's retries in
+/// place must not take x1's `sending` for done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_effect_dropped_mid_send_goes_out_before_the_next_one_of_its_key_in_a_group() {
+    dropped_mid_send(true).await;
+}
+
+async fn dropped_mid_send(ordered: bool) {
     let db = TestDb::new().await;
     let client = db.client().await;
     enqueue_in_order(&client, "x1", "order/k").await;
     enqueue_in_order(&client, "x2", "order/k").await;
     let exchange = unique("it.ex").replace('_', ".");
-    let mut cfg = consumer_config(&exchange);
+    let mut cfg = if ordered {
+        // Retries in place at most 400 ms apart: 100 attempts outlast the 7.5 s lease.
+        let mut c = kit::group_config(&exchange, 1);
+        c.max_attempts = std::num::NonZeroU32::new(100);
+        c
+    } else {
+        let mut c = consumer_config(&exchange);
+        c.max_attempts = None;
+        c
+    };
     cfg.handler_timeout = Duration::from_secs(2);
-    cfg.max_attempts = None;
     let dest = Arc::new(HangsOnce {
         inner: FakeDest::new("mail", true),
         hang: "x1",
@@ -547,7 +566,11 @@ async fn an_effect_dropped_mid_send_goes_out_before_the_next_one_of_its_key() {
             ledger,
         }),
     );
-    kit::wait_queue_ready(&cfg.queue).await;
+    if ordered {
+        kit::wait_group_ready(&cfg).await;
+    } else {
+        kit::wait_queue_ready(&cfg.queue).await;
+    }
     let publisher = RawPublisher::new(&exchange).await;
     publisher
         .publish(&RawEvent::new("k", 1, json!({"effect": "x1"})))
@@ -571,5 +594,9 @@ async fn an_effect_dropped_mid_send_goes_out_before_the_next_one_of_its_key() {
     consumer.stop().await;
     assert_eq!(dest.inner.accepted("x1"), 1);
     assert_eq!(dest.inner.accepted("x2"), 1);
-    kit::delete_topology(&cfg).await;
+    if ordered {
+        kit::delete_group_topology(&cfg).await;
+    } else {
+        kit::delete_topology(&cfg).await;
+    }
 }
