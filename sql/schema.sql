@@ -556,12 +556,27 @@ $$;
 --
 
 CREATE FUNCTION public.outbox_effect_claim(p_effect_key text, p_worker text, p_lease_secs double precision, p_send_timeout_secs double precision, p_write_timeout_secs double precision) RETURNS TABLE(id bigint, effect_key text, destination text, payload jsonb, attempts integer, uncertain boolean, external_id text)
+    LANGUAGE sql
+    SET search_path TO 'public'
+    AS $$
+    SELECT * FROM outbox_effect_claim(p_effect_key, p_worker, p_lease_secs, p_send_timeout_secs,
+                                      p_write_timeout_secs, false)
+$$;
+
+--
+-- Name: outbox_effect_claim(text, text, double precision, double precision, double precision, boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_effect_claim(p_effect_key text, p_worker text, p_lease_secs double precision, p_send_timeout_secs double precision, p_write_timeout_secs double precision, p_take_over boolean) RETURNS TABLE(id bigint, effect_key text, destination text, payload jsonb, attempts integer, uncertain boolean, external_id text)
     LANGUAGE plpgsql
     SET search_path TO 'public'
     AS $$
 #variable_conflict use_column
 DECLARE
     v_id bigint;
+    v_order text;
+    v_earlier text;
+    v_earlier_state text;
 BEGIN
     IF p_send_timeout_secs IS NULL OR p_write_timeout_secs IS NULL
        OR p_send_timeout_secs <= 0 OR p_write_timeout_secs <= 0 THEN
@@ -574,14 +589,35 @@ BEGIN
             USING ERRCODE = '22023',
                   HINT = 'raise the lease or lower the timeouts';
     END IF;
+    -- In SET, e.state is the state before the update: a taken-over row is uncertain.
     UPDATE outbox_effects e
        SET state = 'sending', claimed_by = p_worker, claimed_at = now(),
            lease_until = now() + make_interval(secs => p_lease_secs),
-           attempts = e.attempts + 1, updated_at = now()
-     WHERE e.effect_key = p_effect_key AND e.state = 'queued'
-    RETURNING e.id INTO v_id;
+           attempts = e.attempts + 1, updated_at = now(),
+           uncertain = e.uncertain OR e.state = 'sending'
+     WHERE e.effect_key = p_effect_key
+       AND (e.state = 'queued'
+            OR (coalesce(p_take_over, false) AND e.state = 'sending'
+                AND e.lease_until < now() AND e.cancel_requested_at IS NULL))
+    RETURNING e.id, e.order_key INTO v_id, v_order;
     IF v_id IS NULL THEN
         RETURN;
+    END IF;
+    IF v_order IS NOT NULL THEN
+        SELECT b.effect_key, b.state INTO v_earlier, v_earlier_state
+          FROM outbox_effects b
+         WHERE b.order_key = v_order AND b.id < v_id AND b.state IN ('queued', 'sending')
+         ORDER BY b.id
+         LIMIT 1;
+        IF v_earlier IS NOT NULL THEN
+            -- Raising undoes the claim above: nothing is claimed.
+            RAISE EXCEPTION 'effect % waits for the earlier effect % (%) of order key %',
+                            p_effect_key, v_earlier, v_earlier_state, v_order
+                USING ERRCODE = 'OB003',
+                      DETAIL = json_build_object('effect_key', p_effect_key, 'earlier', v_earlier,
+                                                 'state', v_earlier_state, 'order_key', v_order)::text,
+                      HINT = 'claim it again once the earlier effect is sent, failed or cancelled';
+        END IF;
     END IF;
     PERFORM outbox_budget_reserve(v_id);
     RETURN QUERY SELECT e.id, e.effect_key, e.destination, e.payload, e.attempts, e.uncertain,
@@ -630,15 +666,27 @@ $$;
 --
 
 CREATE FUNCTION public.outbox_effect_enqueue(p_effect_key text, p_destination text, p_payload jsonb DEFAULT '{}'::jsonb, p_tenant text DEFAULT NULL::text, p_quota_key text DEFAULT NULL::text, p_cost bigint DEFAULT NULL::bigint, p_reserve boolean DEFAULT false) RETURNS bigint
+    LANGUAGE sql
+    SET search_path TO 'public'
+    AS $$
+    SELECT outbox_effect_enqueue(p_effect_key, p_destination, p_payload, p_tenant, p_quota_key,
+                                 p_cost, p_reserve, NULL::text)
+$$;
+
+--
+-- Name: outbox_effect_enqueue(text, text, jsonb, text, text, bigint, boolean, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_effect_enqueue(p_effect_key text, p_destination text, p_payload jsonb, p_tenant text, p_quota_key text, p_cost bigint, p_reserve boolean, p_order_key text) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'public'
     AS $$
 DECLARE
     v_id bigint;
 BEGIN
-    INSERT INTO outbox_effects (effect_key, destination, payload, tenant, quota_key, cost)
+    INSERT INTO outbox_effects (effect_key, destination, payload, tenant, quota_key, cost, order_key)
     VALUES (p_effect_key, p_destination, coalesce(p_payload, '{}'), p_tenant, p_quota_key,
-            CASE WHEN p_tenant IS NULL THEN NULL ELSE coalesce(p_cost, 1) END)
+            CASE WHEN p_tenant IS NULL THEN NULL ELSE coalesce(p_cost, 1) END, p_order_key)
     ON CONFLICT (effect_key) DO NOTHING
     RETURNING id INTO v_id;
     IF v_id IS NULL THEN
@@ -1643,6 +1691,7 @@ CREATE TABLE public.outbox_effects (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     sent_at timestamp with time zone,
+    order_key text,
     CONSTRAINT outbox_effects_budget_complete CHECK ((((tenant IS NULL) = (quota_key IS NULL)) AND ((tenant IS NULL) = (cost IS NULL)))),
     CONSTRAINT outbox_effects_cost_check CHECK (((cost IS NULL) OR (cost > 0))),
     CONSTRAINT outbox_effects_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'sending'::text, 'sent'::text, 'failed'::text, 'cancelled'::text])))
@@ -2035,6 +2084,12 @@ CREATE INDEX outbox_effect_strays_open ON public.outbox_effect_strays USING btre
 --
 
 CREATE INDEX outbox_effects_finished ON public.outbox_effects USING btree (updated_at) WHERE (state = ANY (ARRAY['sent'::text, 'failed'::text, 'cancelled'::text]));
+
+--
+-- Name: outbox_effects_order; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX outbox_effects_order ON public.outbox_effects USING btree (order_key, id) WHERE ((order_key IS NOT NULL) AND (state = ANY (ARRAY['queued'::text, 'sending'::text])));
 
 --
 -- Name: outbox_effects_sending; Type: INDEX; Schema: public; Owner: -

@@ -5,7 +5,9 @@
 //! A delivery the provider rejects for good (invalid address) is recorded failed and the
 //! event still counts as handled: that is the delivery's outcome, not a poison event. A
 //! transient failure (503, timeout) makes the whole event retry later; deliveries already
-//! sent are then not claimed again.
+//! sent are then not claimed again. So does a delivery still being sent under another claim
+//! (say, an attempt cut off by the handler timeout) or one whose ticket has an earlier
+//! delivery unresolved: the ledger keeps a ticket's deliveries in order.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -172,7 +174,9 @@ impl<D: Destination + 'static> Handler for Notifier<D> {
             match self.ledger.perform(&conn, key, &*self.provider).await {
                 Ok(Performed::Sent { .. } | Performed::Withdrawn { .. } | Performed::Cancelled) => {
                 }
-                // Someone else has it, or it is finished (failed at creation, cancelled).
+                // Finished: sent before, failed at creation, cancelled. (One that another
+                // claim holds, or that waits for an earlier delivery of its ticket, is a
+                // transient error below: the event is retried, so order holds.)
                 Ok(Performed::NotClaimed { .. }) => {}
                 Ok(Performed::StillOut { external_id, error }) => {
                     tracing::warn!(
@@ -184,6 +188,7 @@ impl<D: Destination + 'static> Handler for Notifier<D> {
                 }
                 // Recorded failed (budget released): the delivery's outcome.
                 Err(EffectError::Destination(DestinationError::Terminal(_))) => {}
+                // Left for review; the ticket's later deliveries wait for it in the ledger.
                 Err(EffectError::InDoubt { .. }) => {}
                 Err(e) if e.is_transient() => retry = Some(e),
                 Err(e) => return Err(e.into()),

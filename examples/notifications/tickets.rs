@@ -3,7 +3,8 @@
 //! budget for each, and enqueues an outbox event naming the deliveries.
 //!
 //! A delivery is an effect in the kit's ledger (`effect_key` = `delivery:<ticket>:<status>:<channel>`); the consumer
-//! sends it. A tenant out of budget still gets its status change: the delivery is recorded
+//! sends it. Its order key is the ticket (`ticket/<id>`): a ticket's deliveries go out in
+//! the order of its status changes, a later one never before an earlier one is resolved. A tenant out of budget still gets its status change: the delivery is recorded
 //! failed with the reason instead (a savepoint undoes just the reservation attempt).
 
 use outbox_kit::consumer::budget;
@@ -95,6 +96,7 @@ pub async fn change_status(
         .collect();
     let keys: Vec<String> = created.iter().map(|(_, key)| key.clone()).collect();
     let aggregate_id = ticket_id.to_string();
+    let order_key = format!("ticket/{ticket_id}");
     let event = NewEvent::new(
         "ticket",
         &aggregate_id,
@@ -121,7 +123,7 @@ pub async fn change_status(
         // Out of budget undoes only this attempt: the delivery is recorded failed with the
         // reason, and the consumer finds nothing to send.
         let sp = tx.savepoint("reserve").await?;
-        match Ledger::enqueue(&sp, &effect).await {
+        match Ledger::enqueue_in_order(&sp, &effect, &order_key).await {
             Ok(_) => sp.commit().await?,
             Err(EffectError::OutOfBudget(why)) => {
                 sp.rollback().await?;
@@ -129,7 +131,7 @@ pub async fn change_status(
                     reserve_now: false,
                     ..effect
                 };
-                let id = Ledger::enqueue(&tx, &unreserved).await?;
+                let id = Ledger::enqueue_in_order(&tx, &unreserved, &order_key).await?;
                 tx.execute(FAIL_NOW, &[&id, &why.to_string()]).await?;
             }
             Err(e) => return Err(e.into()),

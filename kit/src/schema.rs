@@ -99,6 +99,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../sql/0014_late_events.sql"),
     },
     Migration {
+        version: 16,
+        name: "0016_effect_order.sql",
+        sql: include_str!("../sql/0016_effect_order.sql"),
+    },
+    Migration {
         version: 17,
         name: "0017_contract.sql",
         sql: include_str!("../sql/0017_contract.sql"),
@@ -106,7 +111,7 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 18,
         name: "0018_replay.sql",
-        sql: include_str!("../../sql/0018_replay.sql"),
+        sql: include_str!("../sql/0018_replay.sql"),
     },
 ];
 

@@ -78,25 +78,10 @@ async fn applied(client: &Client) -> Vec<(String, Option<i64>, uuid::Uuid)> {
 }
 
 async fn queue_depth(queue: &str) -> u32 {
-    let conn = outbox_kit::amqp::AmqpTarget::parse(&crate::support::amqp_url())
-        .unwrap()
-        .connect("outbox-it-depth")
+    kit::queue_counts(&crate::support::amqp_url(), queue)
         .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    let _ = conn.close(200, "ok".into()).await;
-    q.message_count()
+        .unwrap_or_else(|| panic!("queue {queue} cannot be read within its deadline"))
+        .0
 }
 
 async fn enqueue(client: &Client, key: &str, dest: &str, budget: Option<(&str, &str, i64)>) -> i64 {
@@ -812,4 +797,133 @@ async fn a_write_back_to_a_row_no_longer_ours_withdraws_the_item() {
         EffectState::Failed,
         "the operator's verdict stands"
     );
+}
+
+/// Commits take 3 s (a deferred constraint trigger sleeps at COMMIT), longer than the
+/// handler's 2 s: the attempt gives up while its commit is still under way, and the commit
+/// then goes through.
+const SLOW_COMMIT: &str = "
+CREATE TABLE it_slow_commit (event_id uuid NOT NULL);
+CREATE FUNCTION it_slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
+CREATE CONSTRAINT TRIGGER it_slow_commit AFTER INSERT ON it_slow_commit
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION it_slow_commit();";
+
+struct SlowCommit;
+
+/// The event's inbox outcome, once its slow commit went through.
+async fn inbox_outcome(client: &Client, consumer: &str, event_id: uuid::Uuid) -> Option<String> {
+    client
+        .query_opt(
+            "SELECT i.outcome FROM outbox_inbox i
+               JOIN it_slow_commit s USING (event_id)
+              WHERE i.consumer = $1 AND i.event_id = $2",
+            &[&consumer, &event_id],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+impl Handler for SlowCommit {
+    async fn handle(&self, cx: &Context<'_>, msg: &Message) -> Result<(), HandlerError> {
+        cx.tx()
+            .execute(
+                "INSERT INTO it_slow_commit (event_id) VALUES ($1)",
+                &[&msg.event_id],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// The last attempt fails while its commit is under way, and the commit goes through. The
+/// event is applied: it must be acked, not also dead-lettered with its inbox record turned
+/// to `dead` (unordered consumers and ordered groups alike).
+async fn a_commit_that_went_through_is_not_dead_lettered(ordered: bool) {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(SLOW_COMMIT).await.unwrap();
+    let exchange = unique("it.ex").replace('_', ".");
+    let mut cfg = if ordered {
+        kit::group_config(&exchange, 1)
+    } else {
+        consumer_config(&exchange)
+    };
+    cfg.handler_timeout = Duration::from_secs(2);
+    cfg.max_attempts = std::num::NonZeroU32::new(1);
+    let consumer = Running::start(&db, cfg.clone(), Arc::new(SlowCommit));
+    if ordered {
+        kit::wait_group_ready(&cfg).await;
+    } else {
+        kit::wait_queue_ready(&cfg.queue).await;
+    }
+    let publisher = RawPublisher::new(&exchange).await;
+    let event = RawEvent::new("k", 1, json!({}));
+    publisher.publish(&event).await;
+    wait_for(
+        "the slow commit recorded the event",
+        Duration::from_secs(30),
+        || inbox_outcome(&client, &cfg.name, event.event_id),
+    )
+    .await;
+    // A graceful stop finishes the message in hand: it is settled one way or the other.
+    consumer.stop().await;
+    assert_eq!(
+        inbox_outcome(&client, &cfg.name, event.event_id)
+            .await
+            .as_deref(),
+        Some("applied"),
+        "the applied event keeps its record"
+    );
+    assert_eq!(
+        queue_depth(&cfg.dead_letter_queue()).await,
+        0,
+        "an applied event is not dead-lettered"
+    );
+    if ordered {
+        kit::delete_group_topology(&cfg).await;
+    } else {
+        kit::delete_topology(&cfg).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_went_through_is_not_dead_lettered_unordered() {
+    a_commit_that_went_through_is_not_dead_lettered(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_went_through_is_not_dead_lettered_in_a_group() {
+    a_commit_that_went_through_is_not_dead_lettered(true).await;
+}
+
+/// A test's broker call never hangs: a raw publish whose connection went silent (a
+/// blackhole: no answer, no close) fails within its deadline, naming what it waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_publish_on_a_silent_connection_fails_within_its_deadline() {
+    use crate::support::proxy::{Mode, TcpProxy};
+    let proxy = TcpProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port());
+    let publisher = RawPublisher::on(&url, "amq.topic").await;
+    proxy.set(Mode::Blackhole);
+    let publish = tokio::spawn(async move {
+        publisher.publish(&RawEvent::new("k", 1, json!({}))).await;
+    });
+    let ended = tokio::time::timeout(Duration::from_secs(40), publish)
+        .await
+        .expect("the publish ends within 40 s (its deadline is 15 s) instead of hanging");
+    let panic = ended
+        .expect_err("a publish nobody confirms fails")
+        .into_panic();
+    let said = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_default();
+    assert!(
+        said.contains("basic.publish") || said.contains("confirm"),
+        "the failure names the call it waited for: {said}"
+    );
+    proxy.set(Mode::Pass);
 }

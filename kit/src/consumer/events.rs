@@ -34,6 +34,10 @@ pub(crate) fn dead_lettered(consumer: &str, event_id: &str, reason: &str) {
     warn!(target: "outbox_relay::consumer", consumer, event_id, reason, "message dead-lettered");
 }
 
+pub(crate) fn applied_after_all(consumer: &str, event_id: &str, reason: &str) {
+    warn!(target: "outbox_relay::consumer", consumer, event_id, reason, "the last attempt failed but its commit went through: the event is applied; acked, not dead-lettered");
+}
+
 pub(crate) fn seq_jumped(consumer: &str, aggregate_type: &str, aggregate_id: &str, seq: i64) {
     info!(target: "outbox_relay::consumer", consumer, aggregate_type, aggregate_id, seq, "seq jump applied (earlier seqs parked upstream or not routed here); recorded in outbox_inbox_gaps");
 }

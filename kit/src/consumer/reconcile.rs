@@ -8,6 +8,11 @@
 //! sends one again blindly. Every verdict is fenced on the claimer it saw, so a worker that
 //! comes back in time keeps its row.
 //!
+//! Usually a worker gets there first: `Ledger::perform` takes over a claim whose lease ran out
+//! when its destination has a lookup (`sql/0016_effect_order.sql`), since the key's later
+//! effects wait for it. What is left here are effects nobody performs again, and those of
+//! destinations without lookup, which only review can settle.
+//!
 //! Invariant: `stuck_after` is longer than the send timeout it guards and `retention` longer
 //! than `stuck_after` ([`ReconcileConfig::new`] refuses anything else), and rows in `sending`
 //! or `queued` are never deleted by retention.

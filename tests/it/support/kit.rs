@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{TestDb, amqp_url, unique, wait_for};
+use super::{TestDb, amqp, amqp_best_effort, amqp_url, unique, wait_for};
 
 /// A random-enough v4-shaped uuid without the `v4` feature: a hasher seeded per process,
 /// fed a counter.
@@ -246,11 +246,12 @@ impl RawPublisher {
             .connect(&format!("outbox-it-publisher {exchange}"))
             .await
             .unwrap();
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
+        let channel = amqp("channel.open", conn.create_channel()).await;
+        amqp(
+            "confirm.select",
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await;
         RawPublisher {
             conn,
             channel,
@@ -272,33 +273,52 @@ impl RawPublisher {
             .with_headers(headers);
         let body = serde_json::to_vec(&e.body).unwrap();
         let rk = format!("{}.created", e.aggregate_type);
-        self.channel
-            .basic_publish(
+        let confirm = amqp(
+            "basic.publish",
+            self.channel.basic_publish(
                 self.exchange.as_str().into(),
                 rk.as_str().into(),
                 BasicPublishOptions::default(),
                 &body,
                 props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+            ),
+        )
+        .await;
+        // On a gone connection the confirm never comes: the deadline says so.
+        amqp("the publisher confirm of a raw event", confirm).await;
     }
 }
 
-/// Waits until the consumer's queue exists and is bound (the runner declares it).
+/// Waits until the consumer's queue exists and has a consumer (the runner declares it).
 pub async fn wait_queue_ready(queue: &str) {
-    let conn = AmqpTarget::parse(&amqp_url())
-        .unwrap()
-        .connect("outbox-it-probe")
-        .await
-        .unwrap();
     wait_for(
-        "consumer queue declared",
+        &format!("a consumer on queue {queue}"),
         Duration::from_secs(20),
         || async {
-            let ch = conn.create_channel().await.ok()?;
+            queue_counts(&amqp_url(), queue)
+                .await
+                .filter(|(_, consumers)| *consumers > 0)
+                .map(|_| ())
+        },
+    )
+    .await;
+}
+
+/// Messages ready in `queue` on the broker at `url`, and its consumers, read with a passive
+/// declare on a connection of its own; None when the queue is missing or the broker does not
+/// answer in time (every call has a deadline: a node that restarts can leave one hanging).
+pub async fn queue_counts(url: &str, queue: &str) -> Option<(u32, u32)> {
+    let conn = AmqpTarget::parse(url)
+        .ok()?
+        .connect("outbox-it-probe")
+        .await
+        .ok()?;
+    let q = async {
+        let ch = outbox_kit::internal::rpc("channel.open", conn.create_channel())
+            .await
+            .ok()?;
+        outbox_kit::internal::rpc(
+            "queue.declare (passive)",
             ch.queue_declare(
                 queue.into(),
                 lapin::options::QueueDeclareOptions {
@@ -306,15 +326,14 @@ pub async fn wait_queue_ready(queue: &str) {
                     ..Default::default()
                 },
                 FieldTable::default(),
-            )
-            .await
-            .ok()
-            .filter(|q| q.consumer_count() > 0)
-            .map(|_| ())
-        },
-    )
+            ),
+        )
+        .await
+        .ok()
+    }
     .await;
-    let _ = conn.close(200, "ok".into()).await;
+    amqp_best_effort("connection.close", conn.close(200, "ok".into())).await;
+    q.map(|q| (q.message_count(), q.consumer_count()))
 }
 
 /// A dead-lettered message: its event id and the reason header.
@@ -337,18 +356,19 @@ impl DeadLetters {
             .connect("outbox-it-dlq")
             .await
             .unwrap();
-        let ch = conn.create_channel().await.unwrap();
+        let ch = amqp("channel.open", conn.create_channel()).await;
         let got = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
-        let mut consumer = ch
-            .basic_consume(
+        let mut consumer = amqp(
+            "basic.consume",
+            ch.basic_consume(
                 queue.into(),
                 "it-dlq".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
-            )
-            .await
-            .unwrap();
+            ),
+        )
+        .await;
         let (sink, s) = (got.clone(), stop.clone());
         tokio::spawn(async move {
             let _conn = conn;
@@ -379,7 +399,7 @@ impl DeadLetters {
                         .unwrap_or_default(),
                     reason,
                 });
-                let _ = d.ack(BasicAckOptions::default()).await;
+                amqp_best_effort("basic.ack", d.ack(BasicAckOptions::default())).await;
             }
         });
         DeadLetters { got, stop }
@@ -405,22 +425,28 @@ pub async fn delete_topology(cfg: &ConsumerConfig) {
     else {
         return;
     };
-    if let Ok(ch) = conn.create_channel().await {
+    if let Ok(ch) = outbox_kit::internal::rpc("channel.open", conn.create_channel()).await {
         let mut queues = vec![cfg.queue.clone(), format!("{}.dlq", cfg.queue)];
         for ms in [100u64, 200, 300, 400, 50, 25] {
             queues.push(format!("{}.retry.{ms}ms", cfg.queue));
         }
         for q in queues {
-            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
-        }
-        let _ = ch
-            .exchange_delete(
-                format!("{}.dlx", cfg.queue).as_str().into(),
-                Default::default(),
+            amqp_best_effort(
+                "queue.delete",
+                ch.queue_delete(q.as_str().into(), Default::default()),
             )
             .await;
+        }
+        amqp_best_effort(
+            "exchange.delete",
+            ch.exchange_delete(
+                format!("{}.dlx", cfg.queue).as_str().into(),
+                Default::default(),
+            ),
+        )
+        .await;
     }
-    let _ = conn.close(200, "cleanup".into()).await;
+    amqp_best_effort("connection.close", conn.close(200, "cleanup".into())).await;
 }
 
 /// An ordered group's config on a fresh exchange: `partitions` partitions, a 2 s member
@@ -455,19 +481,25 @@ pub async fn delete_group_topology(cfg: &ConsumerConfig) {
     else {
         return;
     };
-    if let Ok(ch) = conn.create_channel().await {
+    if let Ok(ch) = outbox_kit::internal::rpc("channel.open", conn.create_channel()).await {
         let partitions = cfg.ordered.as_ref().map_or(0, |o| o.partitions.get());
         let mut queues: Vec<String> = (0..partitions).map(|p| cfg.partition_queue(p)).collect();
         queues.push(cfg.dead_letter_queue());
         queues.push(cfg.intake_queue());
         for q in queues {
-            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+            amqp_best_effort(
+                "queue.delete",
+                ch.queue_delete(q.as_str().into(), Default::default()),
+            )
+            .await;
         }
         for x in [cfg.route_exchange(), format!("{}.dlx", cfg.queue)] {
-            let _ = ch
-                .exchange_delete(x.as_str().into(), Default::default())
-                .await;
+            amqp_best_effort(
+                "exchange.delete",
+                ch.exchange_delete(x.as_str().into(), Default::default()),
+            )
+            .await;
         }
     }
-    let _ = conn.close(200, "cleanup".into()).await;
+    amqp_best_effort("connection.close", conn.close(200, "cleanup".into())).await;
 }

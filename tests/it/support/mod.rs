@@ -48,6 +48,20 @@ use tokio_util::sync::CancellationToken;
 
 pub use outbox_testkit::services::{admin_url, amqp_url};
 
+/// One broker call of a test under the kit's deadline (15 s): a call on a gone connection
+/// (a confirm that never comes, a close or a passive declare after a node restart) fails
+/// the test saying which call it waited for, instead of hanging it.
+pub async fn amqp<T>(what: &'static str, fut: impl Future<Output = lapin::Result<T>>) -> T {
+    outbox_kit::internal::rpc(what, fut)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// [`amqp`] for best-effort calls (cleanup, a close): an error or no answer is ignored.
+pub async fn amqp_best_effort<T>(what: &'static str, fut: impl Future<Output = lapin::Result<T>>) {
+    let _ = outbox_kit::internal::rpc(what, fut).await;
+}
+
 /// Waits until `check` returns `Some`, polling every 20 ms; panics with `what` after `limit`.
 pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, check: F) -> T
 where
@@ -402,17 +416,23 @@ pub async fn declare_bound_queue(
         durable: true,
         ..Default::default()
     };
-    ch.queue_declare(queue.into(), durable, args).await.unwrap();
+    amqp(
+        "queue.declare",
+        ch.queue_declare(queue.into(), durable, args),
+    )
+    .await;
     if !binding.is_empty() {
-        ch.queue_bind(
-            queue.into(),
-            exchange.into(),
-            binding.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
+        amqp(
+            "queue.bind",
+            ch.queue_bind(
+                queue.into(),
+                exchange.into(),
+                binding.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            ),
         )
-        .await
-        .unwrap();
+        .await;
     }
 }
 
@@ -439,31 +459,34 @@ impl Broker {
             .connect(&format!("outbox-it-consumer {exchange}"))
             .await
             .expect("rabbitmq reachable");
-        let ch = conn.create_channel().await.unwrap();
-        ch.exchange_declare(
-            exchange.as_str().into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                auto_delete: false,
-                ..Default::default()
-            },
-            FieldTable::default(),
+        let ch = amqp("channel.open", conn.create_channel()).await;
+        amqp(
+            "exchange.declare",
+            ch.exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    auto_delete: false,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            ),
         )
-        .await
-        .unwrap();
+        .await;
         declare_bound_queue(&ch, &queue, &exchange, binding, args).await;
         let received = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
-        let mut consumer = ch
-            .basic_consume(
+        let mut consumer = amqp(
+            "basic.consume",
+            ch.basic_consume(
                 queue.as_str().into(),
                 "it".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
-            )
-            .await
-            .unwrap();
+            ),
+        )
+        .await;
         let sink = received.clone();
         let s = stop.clone();
         tokio::spawn(async move {
@@ -499,7 +522,7 @@ impl Broker {
                     delivery_mode: *p.delivery_mode(),
                     at: Instant::now(),
                 });
-                let _ = d.ack(BasicAckOptions::default()).await;
+                amqp_best_effort("basic.ack", d.ack(BasicAckOptions::default())).await;
             }
         });
         Broker {
@@ -524,7 +547,7 @@ impl Broker {
     /// returned channel) ends the nacks. Returns the channel and the queue's name.
     pub async fn refusing_queue(&self) -> (lapin::Channel, String) {
         let full = format!("{}.full", self.exchange);
-        let ch = self.conn.create_channel().await.unwrap();
+        let ch = amqp("channel.open", self.conn.create_channel()).await;
         let mut args = FieldTable::default();
         args.insert(ShortString::from("x-max-length"), AMQPValue::LongLongInt(0));
         args.insert(
@@ -537,16 +560,18 @@ impl Broker {
 
     /// Binds another routing key to the test queue.
     pub async fn bind(&self, binding: &str) {
-        let ch = self.conn.create_channel().await.unwrap();
-        ch.queue_bind(
-            self.queue.as_str().into(),
-            self.exchange.as_str().into(),
-            binding.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
+        let ch = amqp("channel.open", self.conn.create_channel()).await;
+        amqp(
+            "queue.bind",
+            ch.queue_bind(
+                self.queue.as_str().into(),
+                self.exchange.as_str().into(),
+                binding.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            ),
         )
-        .await
-        .unwrap();
+        .await;
     }
 
     /// Waits until every one of `ids` arrived at least once. Under faults redeliveries
@@ -590,15 +615,20 @@ impl Drop for Broker {
         let (exchange, queue) = (self.exchange.clone(), self.queue.clone());
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                if let Ok(ch) = conn.create_channel().await {
-                    let _ = ch
-                        .queue_delete(queue.as_str().into(), Default::default())
-                        .await;
-                    let _ = ch
-                        .exchange_delete(exchange.as_str().into(), Default::default())
-                        .await;
+                let rpc = outbox_kit::internal::rpc;
+                if let Ok(ch) = rpc("channel.open", conn.create_channel()).await {
+                    amqp_best_effort(
+                        "queue.delete",
+                        ch.queue_delete(queue.as_str().into(), Default::default()),
+                    )
+                    .await;
+                    amqp_best_effort(
+                        "exchange.delete",
+                        ch.exchange_delete(exchange.as_str().into(), Default::default()),
+                    )
+                    .await;
                 }
-                let _ = conn.close(200, "test done".into()).await;
+                amqp_best_effort("connection.close", conn.close(200, "test done".into())).await;
             });
         }
     }

@@ -1,7 +1,8 @@
 //! [`EffectError`]: how an effects-ledger step failed, and whether retrying can help.
 //!
-//! Invariant: out of budget (SQLSTATE `OB001`) is told apart from other database errors
-//! wherever a statement can reserve a budget ([`db_or_budget`]).
+//! Invariant: out of budget (SQLSTATE `OB001`) and an earlier effect of the same order key
+//! still unresolved (`OB003`) are told apart from other database errors wherever a claim or
+//! an enqueue can raise them ([`db_or_budget`]).
 
 use crate::consumer::budget::OutOfBudget;
 use crate::db::DbError;
@@ -42,6 +43,34 @@ pub enum EffectError {
         /// How long the claim had been held.
         held: std::time::Duration,
     },
+    /// An earlier effect of the same order key is still queued or being sent: this one must
+    /// not go out before it. Nothing was claimed. Transient: retry (the event, in a handler)
+    /// until the earlier one is sent, failed or cancelled.
+    #[error(
+        "effect {key} waits for the earlier effect {earlier} ({state}) of order key {order_key}; retry once that one is resolved"
+    )]
+    Behind {
+        /// The effect's key.
+        key: String,
+        /// The earliest unresolved effect of its order key.
+        earlier: String,
+        /// That effect's state (`queued` or `sending`).
+        state: String,
+        /// The order key they share.
+        order_key: String,
+    },
+    /// Another claim on this effect is live (its lease has not run out): its claimer may be
+    /// sending it right now. Not done: transient, retry once that claim is resolved (by its
+    /// claimer, or after its lease by a take-over with lookup, the reconciler or an operator).
+    #[error(
+        "effect {key} is being sent under another claim ({claimed_by}); retry once that claim is resolved"
+    )]
+    InFlight {
+        /// The effect's key.
+        key: String,
+        /// The worker that holds the claim.
+        claimed_by: String,
+    },
     /// The database failed.
     #[error(transparent)]
     Db(#[from] DbError),
@@ -52,18 +81,46 @@ impl EffectError {
     pub fn is_transient(&self) -> bool {
         match self {
             EffectError::OutOfBudget(_) | EffectError::InDoubt { .. } => false,
-            EffectError::LeaseRunOut { .. } => true,
+            EffectError::LeaseRunOut { .. }
+            | EffectError::Behind { .. }
+            | EffectError::InFlight { .. } => true,
             EffectError::Destination(e) => e.is_transient(),
             EffectError::Db(e) => e.is_transient(),
         }
     }
 
     fn from_pg(e: tokio_postgres::Error) -> EffectError {
-        match OutOfBudget::from_db(&e) {
-            Some(o) => EffectError::OutOfBudget(o),
-            None => EffectError::Db(e.into()),
+        if let Some(o) = OutOfBudget::from_db(&e) {
+            return EffectError::OutOfBudget(o);
         }
+        if let Some(behind) = behind(&e) {
+            return behind;
+        }
+        EffectError::Db(e.into())
     }
+}
+
+/// The SQLSTATE `outbox_effect_claim` raises while an earlier effect of the order key is
+/// unresolved.
+const EARLIER_UNRESOLVED: &str = "OB003";
+
+/// Recognizes the `OB003` error; its DETAIL is a JSON object naming both effects.
+fn behind(e: &tokio_postgres::Error) -> Option<EffectError> {
+    let db = e.as_db_error()?;
+    if db.code().code() != EARLIER_UNRESOLVED {
+        return None;
+    }
+    let detail: serde_json::Value = db
+        .detail()
+        .and_then(|d| serde_json::from_str(d).ok())
+        .unwrap_or_default();
+    let field = |name: &str| detail[name].as_str().unwrap_or_default().to_owned();
+    Some(EffectError::Behind {
+        key: field("effect_key"),
+        earlier: field("earlier"),
+        state: field("state"),
+        order_key: field("order_key"),
+    })
 }
 
 pub(super) fn db_or_budget(e: DbError) -> EffectError {

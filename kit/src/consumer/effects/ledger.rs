@@ -1,10 +1,14 @@
 //! [`Ledger`]: the effects-ledger steps for one worker (enqueue, claim, complete, fail,
 //! retry, cancel) and [`Ledger::perform`], the whole rule set for one effect. Every rule is a
-//! SQL function of `sql/0003_consumer.sql`; this file only calls them, with deadlines.
+//! SQL function of `sql/0003_consumer.sql` (order keys and take-over: `sql/0016_effect_order.sql`);
+//! this file only calls them, with deadlines.
 //!
 //! Invariants: claim before send; write back only while the row is ours, else withdraw our
 //! item at the destination; failed never overwrites sent; an unknown outcome is looked up
-//! (or left for review), never sent again blindly.
+//! (or left for review), never sent again blindly; an effect of an order key is claimed only
+//! once every earlier effect of that key is sent, failed or cancelled; and `perform` reports
+//! "not claimed" only for an effect that is finished (or absent): one that another claim
+//! holds is an error to retry ([`EffectError::InFlight`]), never "done".
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -20,9 +24,9 @@ use super::{
     EffectState, EffectsConfig, NewEffect, Performed,
 };
 
-const ENQUEUE: &str = "SELECT outbox_effect_enqueue($1, $2, $3, $4, $5, $6, $7)";
+const ENQUEUE: &str = "SELECT outbox_effect_enqueue($1, $2, $3, $4, $5, $6, $7, $8)";
 const CLAIM: &str = "SELECT id, effect_key, destination, payload, attempts, uncertain, external_id
-                       FROM outbox_effect_claim($1, $2, $3, $4, $5)";
+                       FROM outbox_effect_claim($1, $2, $3, $4, $5, $6)";
 const COMPLETE: &str = "SELECT outbox_effect_complete($1, $2, $3)";
 const STRAY: &str = "SELECT outbox_effect_stray($1, $2, $3, $4)";
 const FAIL: &str = "SELECT outbox_effect_fail($1, $2, $3)";
@@ -52,10 +56,32 @@ impl Ledger {
     }
 
     /// Adds a queued effect once per key (in the caller's transaction, if it passes one);
-    /// returns its id. With `reserve_now`, out of budget fails here.
+    /// returns its id. With `reserve_now`, out of budget fails here. It has no order key:
+    /// nothing waits for it and it waits for nothing ([`Ledger::enqueue_in_order`]).
     pub async fn enqueue(
         client: &impl GenericClient,
         effect: &NewEffect<'_>,
+    ) -> Result<i64, EffectError> {
+        Ledger::enqueue_ordered(client, effect, None).await
+    }
+
+    /// [`Ledger::enqueue`] under `order_key` (the event's key, say `ticket/42`): the
+    /// effects of one order key go out in the order they were enqueued. A claim of a later
+    /// one fails with [`EffectError::Behind`] while an earlier one is queued or being sent.
+    /// Enqueue them in that order, each committed before the next one's claim (as a key's
+    /// events are handled one after another).
+    pub async fn enqueue_in_order(
+        client: &impl GenericClient,
+        effect: &NewEffect<'_>,
+        order_key: &str,
+    ) -> Result<i64, EffectError> {
+        Ledger::enqueue_ordered(client, effect, Some(order_key)).await
+    }
+
+    async fn enqueue_ordered(
+        client: &impl GenericClient,
+        effect: &NewEffect<'_>,
+        order_key: Option<&str>,
     ) -> Result<i64, EffectError> {
         let (tenant, quota, cost) = match effect.budget {
             Some((t, q, c)) => (Some(t), Some(q), Some(c)),
@@ -71,6 +97,7 @@ impl Ledger {
                 &quota,
                 &cost,
                 &effect.reserve_now,
+                &order_key,
             ],
         ))
         .await
@@ -100,15 +127,30 @@ impl Ledger {
     }
 
     /// Claims `key` for this worker (queued → sending) and reserves its budget, in one
-    /// statement. `None`: it was not queued; do not send.
+    /// statement. `None`: it was not queued; do not send. [`EffectError::Behind`]: an
+    /// earlier effect of its order key is unresolved; nothing was claimed.
     pub async fn claim(&self, client: &Client, key: &str) -> Result<Option<Claimed>, EffectError> {
+        self.claim_or_take_over(client, key, false).await
+    }
+
+    /// [`Ledger::claim`], and with `take_over` also a claim in `sending` whose lease ran out
+    /// (its claimer stopped, or was dropped mid-send): taken as uncertain, so it is looked up
+    /// before anything is sent. Only for a destination with lookup.
+    async fn claim_or_take_over(
+        &self,
+        client: &Client,
+        key: &str,
+        take_over: bool,
+    ) -> Result<Option<Claimed>, EffectError> {
         let lease = self.cfg.lease.as_secs_f64();
         let send = self.cfg.send_timeout.as_secs_f64();
         let write = self.cfg.write_timeout.as_secs_f64();
-        let row =
-            deadline(client.query_opt(CLAIM, &[&key, &self.cfg.worker, &lease, &send, &write]))
-                .await
-                .map_err(db_or_budget)?;
+        let row = deadline(client.query_opt(
+            CLAIM,
+            &[&key, &self.cfg.worker, &lease, &send, &write, &take_over],
+        ))
+        .await
+        .map_err(db_or_budget)?;
         Ok(row.map(|r| Claimed {
             effect: Effect {
                 id: r.get(0),
@@ -188,6 +230,14 @@ impl Ledger {
     /// again (with the reservation), terminal ones fail it (releasing the reservation),
     /// out of budget leaves it queued and unclaimed.
     ///
+    /// [`Performed::NotClaimed`] means finished (sent, failed, cancelled) or absent: done.
+    /// An effect under another live claim is [`EffectError::InFlight`], one behind an
+    /// unresolved earlier effect of its order key [`EffectError::Behind`]: both transient,
+    /// so a handler that returns them has its event retried, and the key's later events
+    /// (and their effects) wait. A claim whose lease ran out (its claimer stopped, or its
+    /// handler was dropped mid-send) is taken over when the destination has a lookup: looked
+    /// up first, sent only if it is not there.
+    ///
     /// Nothing goes to the destination once the claim's lease may have run out: the lease
     /// is counted from before the claim was asked for (the database starts it when the
     /// statement starts, also when the claim then waited on a lock), and a lookup or a send
@@ -201,9 +251,12 @@ impl Ledger {
         dest: &D,
     ) -> Result<Performed, EffectError> {
         let asked = Instant::now();
-        let Some(claimed) = self.claim(client, key).await? else {
-            let state = Ledger::get(client, key).await?.map(|r| r.state);
-            return Ok(Performed::NotClaimed { state });
+        let claimed = match self.claim(client, key).await? {
+            Some(claimed) => claimed,
+            None => match self.not_queued(client, key, dest).await? {
+                Ok(claimed) => claimed,
+                Err(finished) => return Ok(finished),
+            },
         };
         let effect = &claimed.effect;
         // Before each destination call: that call, then the write-back, within the lease.
@@ -254,6 +307,43 @@ impl Ledger {
             }
             Err(e) => self.not_sent(client, effect, dest, e).await,
         }
+    }
+
+    /// `key` was not queued: finished (reported as not claimed), or under another claim,
+    /// which is taken over when its lease ran out and the destination can look it up.
+    async fn not_queued<D: Destination>(
+        &self,
+        client: &Client,
+        key: &str,
+        dest: &D,
+    ) -> Result<Result<Claimed, Performed>, EffectError> {
+        let Some(row) = Ledger::get(client, key).await? else {
+            return Ok(Err(Performed::NotClaimed { state: None }));
+        };
+        match row.state {
+            EffectState::Sent | EffectState::Failed | EffectState::Cancelled => {
+                return Ok(Err(Performed::NotClaimed {
+                    state: Some(row.state),
+                }));
+            }
+            EffectState::Sending if dest.supports_lookup() => {
+                if let Some(claimed) = self.claim_or_take_over(client, key, true).await? {
+                    tracing::warn!(target: "outbox_relay", effect = key, previous = row.claimed_by, "took over a claim whose lease ran out; looking the effect up before sending");
+                    return Ok(Ok(claimed));
+                }
+            }
+            // Queued again since our claim looked (a racing retry): claim it now.
+            EffectState::Queued => {
+                if let Some(claimed) = self.claim(client, key).await? {
+                    return Ok(Ok(claimed));
+                }
+            }
+            EffectState::Sending => {}
+        }
+        Err(EffectError::InFlight {
+            key: key.to_owned(),
+            claimed_by: row.claimed_by.unwrap_or_default(),
+        })
     }
 
     /// The claim is held too long to send under it: given back (queued again if still

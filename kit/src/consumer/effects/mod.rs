@@ -11,6 +11,10 @@
 //! - an attempt whose outcome is unknown (timeout) is never sent again blindly: the next
 //!   claimer looks it up first, and a destination without lookup leaves it for review;
 //! - cancel deletes at the destination first and says cancelled only if that worked.
+//! - effects of one order key are claimed in the order they were enqueued: a later one is
+//!   refused (`EffectError::Behind`, SQLSTATE `OB003`) while an earlier one is queued or
+//!   sending (`sql/0016_effect_order.sql`); an effect under another live claim is never
+//!   reported done, and a claim whose lease ran out is taken over only through a lookup.
 //!
 //! Each step commits on its own: the claim must be durable before the send, so the steps
 //! take a plain [`Client`] (a connection in autocommit), never a transaction.

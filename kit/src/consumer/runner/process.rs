@@ -32,7 +32,7 @@ use crate::consumer::inbox::{self, GroupAdmission, HeldEvent};
 use crate::db::deadline;
 
 use super::message::{original_routing_key, parse};
-use super::settle::{Publisher, ack, dead_letter, publish_dead, settle};
+use super::settle::{Publisher, ack, dead_letter, publish_dead, recorded_after_all, settle};
 use super::{ConsumerConfig, Context, Handler, HandlerError, Message, OnDead};
 
 /// What every message task shares.
@@ -422,6 +422,25 @@ async fn dead_in_group<H: Handler>(
     reason: &str,
 ) -> Settled {
     let cfg = &g.shared.cfg;
+    // The last attempt's commit may have gone through although the attempt failed: an
+    // applied event is acked, never also dead-lettered.
+    let mut tries = 0;
+    loop {
+        match recorded_after_all(g.shared, msg).await {
+            Ok(false) => break,
+            Ok(true) => {
+                events::applied_after_all(&cfg.name, &msg.event_id.to_string(), reason);
+                return Settled::Done;
+            }
+            Err(e) => {
+                tracing::warn!(target: "outbox_relay::consumer", error = %e, event_id = %msg.event_id, "inbox not readable before a dead letter; retrying before the key goes on");
+                tries += 1;
+                if !g.pause(cfg.retry_delay(tries)).await {
+                    return Settled::Abandoned;
+                }
+            }
+        }
+    }
     if !dead_letter_in_place(g, &msg.routing_key, body, props, reason).await {
         return Settled::Abandoned;
     }

@@ -4,7 +4,10 @@
 //! nacked for redelivery (unordered mode; an ordered group retries the copy in place, see
 //! `process`). Also the publish channel those copies go through ([`Publisher`]).
 //!
-//! Invariants: the original is acked only after its copy was confirmed (one publish at a
+//! Invariants: an event is dead-lettered only after the inbox showed it is not recorded
+//! ([`recorded_after_all`]): the last attempt's commit may have succeeded although the
+//! attempt failed (a commit that timed out or lost its connection), and an event must never
+//! be both applied and in the dead-letter queue. The original is acked only after its copy was confirmed (one publish at a
 //! time on the shared publish channel, so a return belongs to that publish); a failed ack
 //! costs nothing but a redelivery, which the inbox absorbs; a publish channel on which the
 //! broker nacked every publish for `retry_max` is replaced by a new one, as the relay does
@@ -28,7 +31,7 @@ use crate::contract::headers::{
     ATTEMPT as H_ATTEMPT, DEAD_CONSUMER as H_DEAD_CONSUMER, DEAD_REASON as H_DEAD_REASON,
     ROUTING_KEY as H_ROUTING_KEY,
 };
-use crate::db::deadline;
+use crate::db::{DbError, deadline};
 
 use super::message::original_routing_key;
 use super::process::{Applied, Shared};
@@ -119,6 +122,25 @@ pub(super) async fn dead_letter(
     reason: &str,
 ) {
     let cfg = &shared.cfg;
+    if let Some(msg) = msg {
+        match recorded_after_all(shared, msg).await {
+            Ok(false) => {}
+            Ok(true) => {
+                events::applied_after_all(&cfg.name, &msg.event_id.to_string(), reason);
+                ack(d).await;
+                return;
+            }
+            Err(e) => {
+                hold_and_requeue(
+                    shared,
+                    d,
+                    &format!("inbox not readable before a dead letter: {e}"),
+                )
+                .await;
+                return;
+            }
+        }
+    }
     if let Err(e) = publish_dead(
         shared,
         &original_routing_key(d),
@@ -149,6 +171,25 @@ pub(super) async fn dead_letter(
         .unwrap_or_default();
     events::dead_lettered(&cfg.name, &id, reason);
     ack(d).await;
+}
+
+/// Inserts the event's inbox row in a transaction that is always rolled back: the insert
+/// waits for any transaction that recorded the event and has not ended (a commit still under
+/// way after its attempt gave up on it), and inserts nothing when the event is recorded.
+const PROBE: &str = "INSERT INTO outbox_inbox (consumer, event_id, outcome, reason)
+                     VALUES ($1, $2, 'dead', 'probe: never committed')
+                     ON CONFLICT DO NOTHING";
+
+/// Whether the event is recorded in the inbox after all (applied, or dead-lettered before),
+/// once every transaction that may still commit it has ended. Asked before a dead letter:
+/// the last attempt's commit may have succeeded although the attempt failed.
+pub(super) async fn recorded_after_all(shared: &Shared, msg: &Message) -> Result<bool, DbError> {
+    let mut conn = deadline(shared.pool.get()).await?;
+    let client: &mut tokio_postgres::Client = &mut conn;
+    let tx = deadline(client.transaction()).await?;
+    let inserted = deadline(tx.execute(PROBE, &[&shared.cfg.name, &msg.event_id])).await?;
+    deadline(tx.rollback()).await?;
+    Ok(inserted == 0)
 }
 
 /// Publishes a copy to the dead-letter exchange, with the reason and this consumer's name

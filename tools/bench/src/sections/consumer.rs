@@ -19,7 +19,7 @@ use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use outbox_kit::amqp::AmqpTarget;
-use outbox_kit::consumer::effects::{EffectsConfig, NewEffect};
+use outbox_kit::consumer::effects::{EffectError, EffectsConfig, NewEffect};
 use outbox_kit::consumer::runner::{self, ConsumerConfig, ConsumerDeps, OnDead, Ordered};
 use outbox_kit::consumer::{
     Destination, DestinationError, Effect, Handler, HandlerError, Ledger, Message,
@@ -247,7 +247,13 @@ async fn perform(pool: deadpool_postgres::Pool, i: usize, stop: CancellationToke
             continue;
         }
         for key in keys {
-            ledger.perform(&client, &key, &Sink).await?;
+            match ledger.perform(&client, &key, &Sink).await {
+                // Another instance claimed it since the list was read: it is theirs.
+                Err(EffectError::InFlight { .. }) => {}
+                r => {
+                    r?;
+                }
+            }
         }
     }
     Ok(())
