@@ -357,6 +357,150 @@ async fn notify_wakes_the_relay_long_before_the_poll() {
     );
 }
 
+/// After a busy spell, the claim that comes back empty is the last one until a commit: the
+/// wake-up goes back on at once and the next claim is started by a commit's NOTIFY, never
+/// by a timer. A backlog makes the relay busy (wake-up off); a trickle of single-row
+/// commits, one every 25 ms, follows it. From the moment the backlog is out, every trickle
+/// commit sends a NOTIFY (counted on a LISTEN connection of the test's own), and the
+/// claims, counted by the relay's own metric, follow the commits: each costs the claim its
+/// NOTIFY starts and the one after it, so claims without rows stay within twice those with
+/// rows. The old design polled every 5 ms after an empty claim while busy, with the
+/// wake-up off until 50 ms of empty claims: a commit every 25 ms kept it busy, and the
+/// trickle went unannounced, found by timed polls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_busy_spell_commits_start_the_claims() {
+    use futures_util::StreamExt;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    // No poll tick in the way: only commits, and the flag's renewal each lease round, wake it.
+    config.poll_interval = Duration::from_secs(60);
+    let tel = outbox_relay::telemetry::Telemetry::default();
+    let deps = outbox_relay::relay::Deps {
+        pool: db.pool(),
+        db: db.target.clone(),
+        schema: db.schema.clone(),
+        amqp: outbox_kit::amqp::AmqpTarget::parse(&crate::support::amqp_url()).unwrap(),
+        telemetry: tel.clone(),
+    };
+    let relay = InProcessRelay::start_with(deps, config, &crate::support::unique("relay"));
+    let claims = |found: &'static str| {
+        tel.metrics
+            .claims
+            .get_or_create(&vec![("found", found)])
+            .get()
+    };
+    // The producers' NOTIFYs, on a connection of the test's own.
+    let notified = Arc::new(AtomicUsize::new(0));
+    let (listen, mut connection) = db
+        .target
+        .connect_dedicated(&db.schema, "it-listen")
+        .await
+        .unwrap();
+    let count = notified.clone();
+    let listener = tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if matches!(m, tokio_postgres::AsyncMessage::Notification(_)) {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        listen.batch_execute(&format!("LISTEN \"{}\"", db.schema.notify_channel())),
+    )
+    .await
+    .expect("LISTEN within 20 s")
+    .unwrap();
+    let client = db.client().await;
+    wait_idle_listening(&db, &client).await;
+
+    const BACKLOG: usize = 2000;
+    const TRICKLE: usize = 120;
+    let mut committed = db.insert(&client, BACKLOG, 200).await;
+    let trickle = {
+        let client = db.client().await;
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut every = tokio::time::interval(Duration::from_millis(25));
+            for n in 0..TRICKLE {
+                every.tick().await;
+                let row = tokio::time::timeout(
+                    Duration::from_secs(20),
+                    client.query_one(
+                        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                         VALUES ('order', 'trickle', 'created', jsonb_build_object('n', $1::int))
+                         RETURNING event_id",
+                        &[&(n as i32)],
+                    ),
+                )
+                .await
+                .expect("insert within 20 s")
+                .unwrap();
+                ids.push(row.get::<_, uuid::Uuid>(0));
+            }
+            ids
+        })
+    };
+    let trickled = || {
+        broker
+            .received()
+            .iter()
+            .filter(|r| r.key().1 == "trickle")
+            .count()
+    };
+    crate::support::wait_for("the backlog published", Duration::from_secs(60), || async {
+        (broker.count() - trickled() == BACKLOG).then_some(())
+    })
+    .await;
+    let (rows_from, none_from) = (claims("rows"), claims("none"));
+    let notified_from = notified.load(Ordering::Relaxed);
+    let before = trickled();
+    committed.extend(
+        tokio::time::timeout(Duration::from_secs(60), trickle)
+            .await
+            .expect("the trickle ends within 60 s")
+            .unwrap(),
+    );
+    broker
+        .wait_count(BACKLOG + TRICKLE, Duration::from_secs(30))
+        .await;
+    let after = TRICKLE - before;
+    assert!(
+        after >= 20,
+        "the backlog took most of the trickle ({before} of {TRICKLE} rows out before it was): \
+         too few rows left to tell"
+    );
+    // The rows committed once the backlog was out, less the few of them that were out
+    // already or committed while the wake-up was being turned on, were announced.
+    crate::support::wait_for_explained(
+        "the trickle's commits announced by NOTIFY",
+        Duration::from_secs(10),
+        || async { (notified.load(Ordering::Relaxed) - notified_from + 5 >= after).then_some(()) },
+        || async {
+            format!(
+                ": {} NOTIFYs for the {after} rows committed after the backlog was out",
+                notified.load(Ordering::Relaxed) - notified_from
+            )
+        },
+    )
+    .await;
+    let rows = claims("rows") - rows_from;
+    let none = claims("none") - none_from;
+    relay.stop().await;
+    listener.abort();
+    check(&committed, &broker.received()).assert_clean();
+    // Each lease round (1 s here) renews the flag and claims once more: a few, not per row.
+    assert!(
+        none <= 2 * rows + 6,
+        "{none} empty claims for {rows} claims with rows, {after} trickle rows: claims ran on a timer"
+    );
+}
+
 /// Waits until the relay holds its partitions, has asked for wake-ups and LISTENs.
 async fn wait_idle_listening(db: &TestDb, client: &tokio_postgres::Client) {
     crate::support::wait_for(

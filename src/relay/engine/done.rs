@@ -156,12 +156,8 @@ impl Engine {
         let forward = self
             .pass
             .returned(now, meta.sweeping, claimed.scanned_to, reached_end, new);
-        if forward
-            && let Some(at) = self
-                .pacing
-                .forward_claimed(now, new, reached_end, self.pass.wanted())
-        {
-            self.pass.poll_at(at);
+        if forward {
+            self.pacing.forward_claimed(new, reached_end);
         }
     }
 
