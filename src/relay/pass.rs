@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::hand::Key;
+use super::key::Key;
 use super::writer::Retry;
 
 /// Forward claims remembered for the look-back (claims run at most every millisecond or so).

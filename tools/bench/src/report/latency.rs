@@ -4,9 +4,10 @@
 
 use std::fmt::Write;
 
-use super::{Results, thousands};
+use super::Results;
 use crate::sections::{Latency, Runner};
 use crate::stages::STAGES;
+use crate::stats::thousands;
 
 impl Results {
     /// Steady latency next to the yardstick and without a relay, and our relay's stages.

@@ -9,6 +9,7 @@
 use crate::sections::{
     CeilingRuns, ConsumerRuns, Drain, Growth, Latency, ProducerCost, Runner, Scale, Settings, Sweep,
 };
+use crate::stats::thousands;
 use crate::svg;
 
 mod json;
@@ -77,20 +78,6 @@ pub struct Target {
     pub goal: String,
     pub measured: String,
     pub met: Option<bool>,
-}
-
-/// `1234567.0` as `1,234,567`.
-pub fn thousands(v: f64) -> String {
-    let n = v.round() as i64;
-    let digits = n.unsigned_abs().to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    if n < 0 { format!("-{out}") } else { out }
 }
 
 fn ok<T>(o: &Outcome<T>) -> Option<&T> {
@@ -374,19 +361,5 @@ impl Results {
             &categories,
             &series,
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn thousands_are_grouped() {
-        assert_eq!(thousands(0.0), "0");
-        assert_eq!(thousands(999.4), "999");
-        assert_eq!(thousands(1000.0), "1,000");
-        assert_eq!(thousands(5_000_000.0), "5,000,000");
-        assert_eq!(thousands(-1234.0), "-1,234");
     }
 }
