@@ -357,18 +357,17 @@ async fn notify_wakes_the_relay_long_before_the_poll() {
     );
 }
 
-/// After a busy spell, the claim that comes back empty is the last one until a commit: the
-/// wake-up goes back on at once and the next claim is started by a commit's NOTIFY, never
-/// by a timer. A backlog makes the relay busy (wake-up off); a trickle of single-row
-/// commits, one every 25 ms, follows it. From the moment the backlog is out, every trickle
-/// commit sends a NOTIFY (counted on a LISTEN connection of the test's own), and the
-/// claims, counted by the relay's own metric, follow the commits: each costs the claim its
-/// NOTIFY starts and the one after it, so claims without rows stay within twice those with
-/// rows. The old design polled every 5 ms after an empty claim while busy, with the
-/// wake-up off until 50 ms of empty claims: a commit every 25 ms kept it busy, and the
-/// trickle went unannounced, found by timed polls.
+/// Claims are started by commits, not by a timer. Producers commit 10 rows every 40 ms:
+/// each commit is claimed in one go, and the claim after it finds nothing, so the relay
+/// waits with the wake-up on and every commit's NOTIFY starts the next claim. Counted over
+/// 40 commits: the producers' NOTIFYs (on a LISTEN connection of the test's own) and the
+/// relay's claims by whether they found rows (its own metric). Each commit costs the claim
+/// its NOTIFY starts and the one after it, so claims without rows stay within twice those
+/// with rows. The old design went busy at one claim of 8 rows, then claimed every 5 ms
+/// with the wake-up off until 50 ms passed without rows: at a commit every 40 ms it stayed
+/// busy, the commits went unannounced and several empty claims ran between two commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_busy_spell_commits_start_the_claims() {
+async fn commits_start_the_claims_not_a_timer() {
     use futures_util::StreamExt;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -418,22 +417,57 @@ async fn after_a_busy_spell_commits_start_the_claims() {
     .unwrap();
     let client = db.client().await;
     wait_idle_listening(&db, &client).await;
+    // The listener hears the channel (else the count below could not fail for its reason).
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        client.execute(
+            "SELECT pg_notify($1, 'test')",
+            &[&db.schema.notify_channel()],
+        ),
+    )
+    .await
+    .expect("NOTIFY within 20 s")
+    .unwrap();
+    crate::support::wait_for(
+        "the test's own NOTIFY heard",
+        Duration::from_secs(10),
+        || async { (notified.load(Ordering::Relaxed) > 0).then_some(()) },
+    )
+    .await;
 
-    const BACKLOG: usize = 2000;
-    const TRICKLE: usize = 120;
-    let mut committed = db.insert(&client, BACKLOG, 200).await;
-    let trickle = {
+    const WARMUP: usize = 5;
+    const MEASURED: usize = 40;
+    let commits = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::new(std::sync::Mutex::new(None));
+    let producer = {
         let client = db.client().await;
+        let (commits, counted) = (commits.clone(), counted.clone());
+        let (notified, tel) = (notified.clone(), tel.clone());
         tokio::spawn(async move {
+            let claims = |found: &'static str| {
+                tel.metrics
+                    .claims
+                    .get_or_create(&vec![("found", found)])
+                    .get()
+            };
             let mut ids = Vec::new();
-            let mut every = tokio::time::interval(Duration::from_millis(25));
-            for n in 0..TRICKLE {
+            let mut every = tokio::time::interval(Duration::from_millis(40));
+            for n in 0..WARMUP + MEASURED {
                 every.tick().await;
-                let row = tokio::time::timeout(
+                if n == WARMUP {
+                    // Counted from here: (NOTIFYs, claims with rows, claims without).
+                    *counted.lock().unwrap() = Some((
+                        notified.load(Ordering::Relaxed),
+                        claims("rows"),
+                        claims("none"),
+                    ));
+                }
+                let rows = tokio::time::timeout(
                     Duration::from_secs(20),
-                    client.query_one(
+                    client.query(
                         "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
-                         VALUES ('order', 'trickle', 'created', jsonb_build_object('n', $1::int))
+                         SELECT 'order', 'k' || g, 'created', jsonb_build_object('n', $1::int, 'g', g)
+                           FROM generate_series(1, 10) AS g
                          RETURNING event_id",
                         &[&(n as i32)],
                     ),
@@ -441,49 +475,32 @@ async fn after_a_busy_spell_commits_start_the_claims() {
                 .await
                 .expect("insert within 20 s")
                 .unwrap();
-                ids.push(row.get::<_, uuid::Uuid>(0));
+                ids.extend(rows.iter().map(|r| r.get::<_, uuid::Uuid>(0)));
+                commits.fetch_add(1, Ordering::Relaxed);
             }
             ids
         })
     };
-    let trickled = || {
-        broker
-            .received()
-            .iter()
-            .filter(|r| r.key().1 == "trickle")
-            .count()
-    };
-    crate::support::wait_for("the backlog published", Duration::from_secs(60), || async {
-        (broker.count() - trickled() == BACKLOG).then_some(())
-    })
-    .await;
-    let (rows_from, none_from) = (claims("rows"), claims("none"));
-    let notified_from = notified.load(Ordering::Relaxed);
-    let before = trickled();
-    committed.extend(
-        tokio::time::timeout(Duration::from_secs(60), trickle)
-            .await
-            .expect("the trickle ends within 60 s")
-            .unwrap(),
-    );
+    let committed = tokio::time::timeout(Duration::from_secs(60), producer)
+        .await
+        .expect("the producer ends within 60 s")
+        .unwrap();
     broker
-        .wait_count(BACKLOG + TRICKLE, Duration::from_secs(30))
+        .wait_count(committed.len(), Duration::from_secs(30))
         .await;
-    let after = TRICKLE - before;
-    assert!(
-        after >= 20,
-        "the backlog took most of the trickle ({before} of {TRICKLE} rows out before it was): \
-         too few rows left to tell"
-    );
-    // The rows committed once the backlog was out, less the few of them that were out
-    // already or committed while the wake-up was being turned on, were announced.
+    let (notified_from, rows_from, none_from) = counted.lock().unwrap().expect("counted");
+    // Every commit sends its NOTIFY while the relay waits; a few may go unannounced when
+    // claims happen to find rows three times in a row (the relay is then busy until the
+    // next empty claim). The old design announced next to none.
     crate::support::wait_for_explained(
-        "the trickle's commits announced by NOTIFY",
+        "the commits announced by NOTIFY",
         Duration::from_secs(10),
-        || async { (notified.load(Ordering::Relaxed) - notified_from + 5 >= after).then_some(()) },
+        || async {
+            (2 * (notified.load(Ordering::Relaxed) - notified_from) >= MEASURED).then_some(())
+        },
         || async {
             format!(
-                ": {} NOTIFYs for the {after} rows committed after the backlog was out",
+                ": {} NOTIFYs for {MEASURED} commits",
                 notified.load(Ordering::Relaxed) - notified_from
             )
         },
@@ -491,13 +508,15 @@ async fn after_a_busy_spell_commits_start_the_claims() {
     .await;
     let rows = claims("rows") - rows_from;
     let none = claims("none") - none_from;
+    let heard = notified.load(Ordering::Relaxed) - notified_from;
     relay.stop().await;
     listener.abort();
     check(&committed, &broker.received()).assert_clean();
-    // Each lease round (1 s here) renews the flag and claims once more: a few, not per row.
+    // Each lease round (1 s here) renews the flag and claims once more: a few, not per commit.
     assert!(
         none <= 2 * rows + 6,
-        "{none} empty claims for {rows} claims with rows, {after} trickle rows: claims ran on a timer"
+        "{none} empty claims for {rows} claims with rows over {MEASURED} commits \
+         ({heard} NOTIFYs): claims ran on a timer"
     );
 }
 
