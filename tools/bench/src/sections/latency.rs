@@ -21,6 +21,7 @@ use crate::relay::RelayProcess;
 use crate::stages::{Breakdown, Trace};
 use crate::stats::Summary;
 
+use super::floor::{Floor, floor};
 use super::{Ctx, wait_until};
 
 /// What takes the events from the table to the broker in one run.
@@ -106,6 +107,8 @@ pub struct Latency {
     /// The producers' INSERT (autocommit) round trips.
     pub insert: Summary,
     pub load: Load,
+    /// The broker's and the wake-up's hops alone at this rate (beside our relay with LISTEN).
+    pub floor: Option<Floor>,
     /// Per-stage latency of our relay with LISTEN (from its stage trace).
     pub stages: Option<Breakdown>,
 }
@@ -120,9 +123,16 @@ impl Latency {
 /// latency of each is from its COMMIT returning to the producer to its arrival at a
 /// consumer of the bound queue. Both instants are read in this process, on one clock.
 pub async fn latency(ctx: &Ctx, rate: u64, runner: Runner) -> Result<Latency> {
+    // The floor first, on a quiet broker and database, beside the run it is compared with.
+    let floor = match runner {
+        Runner::Relay { listen: true } => Some(floor(ctx, rate).await?),
+        _ => None,
+    };
     let db = ctx.admin.create_db().await?;
     let broker = BenchBroker::new(&ctx.amqp, &ctx.tag("latency")).await?;
-    let result = latency_inner(ctx, &db, &broker, rate, runner).await;
+    let result = latency_inner(ctx, &db, &broker, rate, runner)
+        .await
+        .map(|l| Latency { floor, ..l });
     broker.delete().await;
     ctx.admin.drop_db(&db.name).await;
     result
@@ -296,6 +306,7 @@ async fn latency_inner(
         pg,
         insert: Summary::of(arrivals.insert_ms(warmup..total)),
         load,
+        floor: None,
         stages,
     })
 }
@@ -329,7 +340,7 @@ async fn breakdown(
 /// at start + i/rate, whoever is free takes it), recording each INSERT's start and commit;
 /// no event is taken after `stop_after`.
 /// Returns the connections, still open (their backends' CPU is read before they close).
-async fn open_loop(
+pub(super) async fn open_loop(
     db: &BenchDb,
     producers: usize,
     rate: u64,

@@ -2,7 +2,8 @@
 //! broker names, runs the relay as a child process, checks that what it measured really
 //! happened (every row dispatched, every message queued or received) and cleans up.
 //!
-//! One file per measurement: `ceiling.rs` (1), `drain.rs` (2 and 6), `latency.rs` (3),
+//! One file per measurement: `ceiling.rs` (1), `drain.rs` (2 and 6), `latency.rs` (3, with
+//! `floor.rs`: the broker's and the wake-up's hops alone),
 //! `producer.rs` (4), `growth.rs` (5), `sweep.rs`, `scale.rs` (7), `consumer.rs` (8); this file holds what they
 //! share: the context, the settings and the wait with a deadline.
 
@@ -19,6 +20,7 @@ use crate::relay::{Launcher, RelayProcess, RelaySettings};
 mod ceiling;
 mod consumer;
 mod drain;
+mod floor;
 mod growth;
 mod latency;
 mod producer;
@@ -28,6 +30,7 @@ mod sweep;
 pub use ceiling::{CeilingRuns, broker_ceiling};
 pub use consumer::{ConsumerRuns, consumer};
 pub use drain::{Drain, drain, prepare_backlog};
+pub use floor::Floor;
 pub use growth::{Growth, growth};
 pub use latency::{Latency, Runner, latency};
 pub use producer::{ProducerCost, producer_cost};
