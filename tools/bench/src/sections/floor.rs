@@ -28,8 +28,7 @@ use crate::amqp::{Arrivals, BenchBroker};
 use crate::pg::{self, BenchDb};
 use crate::stats::Summary;
 
-use super::latency::open_loop;
-use super::{Ctx, wait_until};
+use super::{Ctx, open_loop, wait_until};
 
 /// The longest a floor run commits or publishes for: enough samples for a p99 at any rate,
 /// without doubling the latency section's time.
