@@ -42,6 +42,7 @@ pub struct Metrics {
     pub commit_to_confirm: Histogram,
     pub confirm_latency: Histogram,
     pub claim_rows: Histogram,
+    pub claims: Family<Labels, Counter>,
     pub reconnects: Family<Labels, Counter>,
     pub listen_connected: Gauge,
     pub unannounced: Counter,
@@ -69,6 +70,7 @@ impl Default for Metrics {
             commit_to_confirm: latency(),
             confirm_latency: latency(),
             claim_rows: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            claims: Family::default(),
             reconnects: Family::default(),
             listen_connected: Gauge::default(),
             unannounced: Counter::default(),
@@ -131,6 +133,14 @@ impl Default for Metrics {
             "New rows per claim",
             m.claim_rows.clone(),
         );
+        r.register(
+            "outbox_claims",
+            "Claims that returned, by whether they brought new rows (found: rows, none)",
+            m.claims.clone(),
+        );
+        for found in ["rows", "none"] {
+            m.claims.get_or_create(&vec![("found", found)]).inc_by(0); // shown from the start
+        }
         r.register(
             "outbox_reconnects",
             "Connections re-established, by target",
@@ -349,6 +359,11 @@ impl Telemetry {
         if new_rows > 0 {
             self.metrics.claim_rows.observe(new_rows as f64);
         }
+        let found = if new_rows > 0 { "rows" } else { "none" };
+        self.metrics
+            .claims
+            .get_or_create(&vec![("found", found)])
+            .inc();
         self.metrics.unannounced.inc_by(unannounced as u64);
     }
 

@@ -17,7 +17,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::Type;
 use uuid::Uuid;
 
-use super::hand::Key;
+use super::key::Key;
 use super::publish::Acked;
 use outbox_kit::db::DbError;
 use outbox_kit::internal::deadline;
@@ -67,6 +67,14 @@ pub struct ClaimedRow {
 }
 
 impl ClaimedRow {
+    /// The row's key.
+    pub fn key(&self) -> Key {
+        Key {
+            aggregate_type: self.aggregate_type.clone(),
+            aggregate_id: self.aggregate_id.clone(),
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn for_test(
         id: i64,

@@ -26,7 +26,8 @@ use outbox_kit::amqp::AmqpError;
 use outbox_kit::db::DbError;
 
 use super::claim::{self, Claimed, Failure, FailureKind, LeaseRound, Recorded};
-use super::hand::{Hand, Key};
+use super::hand::Hand;
+use super::key::Key;
 use super::leases::Leases;
 use super::listen::ListenEvent;
 use super::pacing::Pacing;
@@ -332,7 +333,7 @@ impl Engine {
             let Some(row) = self.hand.next_ready(|p| leases.sendable(now, p)) else {
                 break;
             };
-            let (key, id, partition) = (Key::of(row), row.id, row.partition);
+            let (key, id, partition) = (row.key(), row.id, row.partition);
             match publish::prepare(row, max_message, &self.message_options) {
                 Ok(message) => {
                     session.publish(partition, message);

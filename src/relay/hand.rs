@@ -20,25 +20,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use tokio::time::Instant;
 
 use super::claim::ClaimedRow;
-
-/// A key: aggregate type and aggregate id.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Key {
-    /// The row's `aggregate_type`.
-    pub aggregate_type: String,
-    /// The row's `aggregate_id`.
-    pub aggregate_id: String,
-}
-
-impl Key {
-    /// The key of a claimed row.
-    pub fn of(row: &ClaimedRow) -> Key {
-        Key {
-            aggregate_type: row.aggregate_type.clone(),
-            aggregate_id: row.aggregate_id.clone(),
-        }
-    }
-}
+pub use super::key::Key;
 
 /// Where a key's head row is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,7 +176,7 @@ impl Hand {
         // Keys whose part of this result must not be added (any further).
         let mut stopped: HashSet<Key> = HashSet::new();
         for row in rows {
-            let key = Key::of(&row);
+            let key = row.key();
             if stopped.contains(&key) {
                 continue;
             }

@@ -11,6 +11,8 @@
 //! Data path: `listen` (hint) → `claim` (rows of leased partitions, seq assigned) →
 //! `hand` (per-key queues, one unconfirmed message per key) → `publish` (lanes, confirms,
 //! returns matched by message_id) → `claim::mark_dispatched` (only from `Acked`).
+//! A [`hand::Key`] (module `key`) is what the claim, the hand and the lanes share: none of
+//! them imports another for it.
 //!
 //! Architecture invariant: nothing here reads the environment or argv; `run` takes its
 //! connections, its configuration and its shutdown signal from the caller.
@@ -18,6 +20,7 @@
 pub mod claim;
 mod engine;
 pub mod hand;
+mod key;
 mod leases;
 pub(crate) mod listen;
 mod pacing;

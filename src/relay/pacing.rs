@@ -1,35 +1,40 @@
-//! Wake-up pacing: whether the relay is busy (rows keep coming, it polls back to back and
-//! producers send no NOTIFY) or idle (it waits for a NOTIFY or the poll tick), and the
+//! Wake-up pacing: whether the relay is busy (rows keep coming faster than a NOTIFY per
+//! transaction is worth: claims run back to back and producers send no NOTIFY) or waiting
+//! (the next claim is started by a commit's NOTIFY, or by the poll tick), and the
 //! producers' wake-up flag that follows from it.
 //!
-//! Invariants: busy starts when one claim brings [`BUSY_CLAIM_ROWS`] new rows; while busy,
-//! an empty claim is followed by another after [`BUSY_POLL_GAP`], and after [`IDLE_AFTER`]
-//! of empty claims the relay is idle again and wants the flag back on. The flag is written
-//! one write at a time, only once this relay is registered (its first lease round), and
-//! after it was turned on the engine polls once more (a producer may have committed while
-//! it was off). The wake-up costs producers nothing while busy (ARCHITECTURE.md, "2. Wake-up").
+//! Invariants: busy starts when [`BUSY_STREAK`] forward claims in a row each brought
+//! [`BUSY_CLAIM_ROWS`] new rows, and ends at the first forward claim that read to the end
+//! and found nothing: there is no timer between claims. While busy, every claim is followed
+//! by the next (the pass wants one after rows); once a claim comes back empty the relay
+//! waits, and the flag goes back on at once, so the next claim is started by a commit. The
+//! flag is written one write at a time, only once this relay is registered (its first lease
+//! round), and after it was turned on the engine polls once more (a producer may have
+//! committed while it was off). The wake-up costs producers
+//! nothing while busy (ARCHITECTURE.md, "2. Wake-up"); polling stays the truth: with LISTEN off
+//! or down, a waiting relay claims at the poll tick.
+//!
+//! Why a streak and not a single full claim: every change of the flag is a small write
+//! (`outbox_set_wakeup`), and the flag goes back on at the first empty claim. A burst
+//! committed in one transaction, or a rate at which claims sometimes bring many rows and
+//! sometimes none, would otherwise turn the flag off and on again for nothing. With
+//! [`BUSY_CLAIM_ROWS`] rows a claim on average, an empty claim is rare (a lull of a whole
+//! claim's round trip), so a steady high rate stays busy.
 
-use std::time::Duration;
-
-use tokio::time::Instant;
-
-/// New rows in one claim that mark the relay as busy: rows arrive faster than a NOTIFY per
-/// transaction is worth; it turns the insert wake-up off and polls back to back.
+/// New rows in one forward claim that count towards busy.
 pub(crate) const BUSY_CLAIM_ROWS: usize = 8;
-/// Busy and a poll came back empty: the next one after this gap.
-pub(crate) const BUSY_POLL_GAP: Duration = Duration::from_millis(5);
-/// Busy polls empty for this long: idle again (the wake-up goes back on).
-pub(crate) const IDLE_AFTER: Duration = Duration::from_millis(50);
+/// Forward claims in a row with [`BUSY_CLAIM_ROWS`] new rows each that make the relay busy.
+pub(crate) const BUSY_STREAK: usize = 3;
 
 /// Busy or idle, what LISTEN reported, and the wake-up flag (wanted, written, in flight).
 #[derive(Debug)]
 pub(crate) struct Pacing {
     /// `--listen`: without it the flag is never wanted nor written.
     listen: bool,
-    /// Rows keep coming: the relay polls back to back with the insert wake-up off.
+    /// Rows keep coming: claims run back to back with the insert wake-up off.
     busy: bool,
-    /// Busy, and claims have come back empty since then.
-    empty_since: Option<Instant>,
+    /// Forward claims in a row that brought [`BUSY_CLAIM_ROWS`] new rows or more.
+    streak: usize,
     /// LISTEN is connected (as last reported by the listener).
     listen_up: bool,
     /// A NOTIFY arrived since the last claim returned.
@@ -38,8 +43,6 @@ pub(crate) struct Pacing {
     /// unannounced at the next claim unless a NOTIFY comes first: under load a commit's
     /// NOTIFY can reach the relay after a claim that was already running found its rows.
     unheard: usize,
-    /// The flag producers should see.
-    wakeup_wanted: bool,
     /// The flag as last written (`None`: unknown).
     wakeup_db: Option<bool>,
     /// The flag is on and a lease round asks for it to be written again. Until then it
@@ -55,11 +58,10 @@ impl Pacing {
         Pacing {
             listen,
             busy: false,
-            empty_since: None,
+            streak: 0,
             listen_up: false,
             notified: false,
             unheard: 0,
-            wakeup_wanted: listen,
             wakeup_db: None,
             renew_due: false,
             wakeup_busy: false,
@@ -90,36 +92,25 @@ impl Pacing {
     }
 
     /// A forward claim returned `new` rows (`reached_end`: it read to the end of the
-    /// pending rows; `claim_wanted`: another claim is wanted already). Returns when to
-    /// claim again while busy polling, if that is what comes next.
-    pub(crate) fn forward_claimed(
-        &mut self,
-        now: Instant,
-        new: usize,
-        reached_end: bool,
-        claim_wanted: bool,
-    ) -> Option<Instant> {
-        if new >= BUSY_CLAIM_ROWS && !self.busy {
-            self.busy = true;
-            self.wakeup_wanted = false; // producers stop sending NOTIFY; we poll
+    /// pending rows). Busy polling has no timer: while busy the pass claims again after
+    /// rows, and after an empty claim the flag goes back on and a commit starts the next.
+    pub(crate) fn forward_claimed(&mut self, new: usize, reached_end: bool) {
+        self.streak = if new >= BUSY_CLAIM_ROWS {
+            self.streak + 1
+        } else {
+            0
+        };
+        if self.streak >= BUSY_STREAK {
+            self.busy = true; // producers stop sending NOTIFY; claims follow each other
+        } else if new == 0 && reached_end {
+            // Nothing committed since the last claim's snapshot: wait for a commit.
+            self.busy = false;
         }
-        if new > 0 {
-            self.empty_since = None;
-        } else if reached_end && self.busy {
-            // Busy and came back empty: poll again shortly; after a quiet spell, go idle
-            // (the hint goes back on, then one more poll closes the race).
-            let since = *self.empty_since.get_or_insert(now);
-            if now.duration_since(since) >= IDLE_AFTER {
-                self.busy = false;
-                self.empty_since = None;
-                self.wakeup_wanted = self.listen;
-            } else {
-                return Some(now + BUSY_POLL_GAP);
-            }
-        } else if reached_end && !claim_wanted {
-            self.wakeup_wanted = self.listen;
-        }
-        None
+    }
+
+    /// The flag producers should see: on while waiting for commits (with `--listen`).
+    fn wakeup_wanted(&self) -> bool {
+        self.listen && !self.busy
     }
 
     /// A lease round succeeded: a flag that is on is written again, so it runs out only
@@ -138,13 +129,13 @@ impl Pacing {
             || !registered
             || self.wakeup_busy
             || stopping
-            || (self.wakeup_db == Some(self.wakeup_wanted)
-                && !(self.renew_due && self.wakeup_wanted))
+            || (self.wakeup_db == Some(self.wakeup_wanted())
+                && !(self.renew_due && self.wakeup_wanted()))
         {
             return None;
         }
         self.wakeup_busy = true;
-        Some(self.wakeup_wanted)
+        Some(self.wakeup_wanted())
     }
 
     /// The flag was written as `wanted`. Returns whether to poll once more: it was turned
@@ -172,64 +163,65 @@ impl Pacing {
 mod tests {
     use super::*;
 
-    fn ms(n: u64) -> Duration {
-        Duration::from_millis(n)
-    }
-
-    /// A full claim makes the relay busy and turns the flag off; empty claims then poll
-    /// every BUSY_POLL_GAP until IDLE_AFTER has passed, and the flag goes back on.
-    #[tokio::test(start_paused = true)]
-    async fn busy_then_idle_after_a_quiet_spell() {
+    /// Claims that each bring many rows make the relay busy and turn the flag off; the
+    /// first claim after them that reads to the end and finds nothing turns it back on,
+    /// with no timer in between (the old design polled every 5 ms for 50 ms first).
+    #[test]
+    fn busy_until_the_first_empty_claim() {
         let mut p = Pacing::new(true);
         assert_eq!(p.wakeup_due(true, false), Some(true));
         assert!(p.wakeup_written(true), "turned on: poll once more");
         assert_eq!(p.wakeup_due(true, false), None, "written already");
 
-        let now = Instant::now();
-        assert_eq!(p.forward_claimed(now, BUSY_CLAIM_ROWS, false, true), None);
+        for _ in 0..BUSY_STREAK {
+            assert!(!p.is_busy());
+            p.forward_claimed(BUSY_CLAIM_ROWS, false);
+        }
         assert!(p.is_busy());
         assert_eq!(p.wakeup_due(true, false), Some(false), "busy: flag off");
         assert!(!p.wakeup_written(false));
 
-        // Empty and busy: poll again after the gap, until the quiet spell is long enough.
-        let now = Instant::now();
-        assert_eq!(
-            p.forward_claimed(now, 0, true, false),
-            Some(now + BUSY_POLL_GAP)
-        );
-        tokio::time::advance(IDLE_AFTER - ms(1)).await;
-        let now = Instant::now();
-        assert_eq!(
-            p.forward_claimed(now, 0, true, false),
-            Some(now + BUSY_POLL_GAP)
-        );
+        // Fewer rows, or a claim that stopped at its limit with none new: still busy.
+        p.forward_claimed(1, true);
+        p.forward_claimed(0, false);
         assert!(p.is_busy());
-        tokio::time::advance(ms(1)).await;
-        assert_eq!(p.forward_claimed(Instant::now(), 0, true, false), None);
-        assert!(!p.is_busy(), "idle after IDLE_AFTER");
-        assert_eq!(p.wakeup_due(true, false), Some(true), "idle: flag on");
+        assert_eq!(p.wakeup_due(true, false), None);
+
+        // Read to the end and found nothing: waiting for a commit, flag on at once.
+        p.forward_claimed(0, true);
+        assert!(!p.is_busy());
+        assert_eq!(p.wakeup_due(true, false), Some(true), "waiting: flag on");
+        assert!(p.wakeup_written(true), "and one more claim closes the race");
     }
 
-    /// A claim with rows restarts the quiet spell; a few rows do not make an idle relay busy.
-    #[tokio::test(start_paused = true)]
-    async fn rows_restart_the_quiet_spell() {
+    /// One claim with many rows (a burst committed at once), or many rows now and then,
+    /// does not turn the flag off: only a streak does.
+    #[test]
+    fn a_burst_is_not_busy() {
         let mut p = Pacing::new(true);
+        p.wakeup_due(true, false);
+        p.wakeup_written(true);
+        p.forward_claimed(500, true);
+        p.forward_claimed(0, true);
+        for _ in 0..4 {
+            for _ in 1..BUSY_STREAK {
+                p.forward_claimed(BUSY_CLAIM_ROWS, true);
+            }
+            p.forward_claimed(BUSY_CLAIM_ROWS - 1, true);
+        }
+        assert!(!p.is_busy());
+        assert_eq!(p.wakeup_due(true, false), None, "the flag stayed on");
+
+        let mut off = Pacing::new(false);
+        for _ in 0..BUSY_STREAK {
+            off.forward_claimed(BUSY_CLAIM_ROWS, false);
+        }
+        off.forward_claimed(0, true);
         assert_eq!(
-            p.forward_claimed(Instant::now(), BUSY_CLAIM_ROWS - 1, true, false),
-            None
+            off.wakeup_due(true, false),
+            None,
+            "without --listen no flag"
         );
-        assert!(!p.is_busy());
-        p.forward_claimed(Instant::now(), BUSY_CLAIM_ROWS, false, true);
-        assert!(p.is_busy());
-        assert!(p.forward_claimed(Instant::now(), 0, true, false).is_some());
-        tokio::time::advance(ms(40)).await;
-        assert_eq!(p.forward_claimed(Instant::now(), 1, true, true), None);
-        tokio::time::advance(ms(40)).await;
-        // The spell started again at the empty claim after the rows, not 80 ms ago.
-        assert!(p.forward_claimed(Instant::now(), 0, true, false).is_some());
-        tokio::time::advance(IDLE_AFTER).await;
-        assert_eq!(p.forward_claimed(Instant::now(), 0, true, false), None);
-        assert!(!p.is_busy());
     }
 
     /// The flag is written one write at a time, only once registered and not while

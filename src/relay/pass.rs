@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::hand::Key;
+use super::key::Key;
 use super::writer::Retry;
 
 /// Forward claims remembered for the look-back (claims run at most every millisecond or so).
@@ -65,8 +65,6 @@ pub(crate) struct Pass {
     sweep: Option<(i64, i64)>,
     /// The last claim was a sweep claim: the next one reads forward.
     last_was_sweep: bool,
-    /// Busy polling: the next claim waits until then.
-    not_before: Option<Instant>,
     /// A scheduled row becomes due then: claim (forward) at that time.
     wake_at: Option<Instant>,
     /// Keys whose held rows all went out while more of theirs may be pending: the next
@@ -88,7 +86,6 @@ impl Pass {
             sweep_wanted: true,
             sweep: None,
             last_was_sweep: false,
-            not_before: None,
             wake_at: None,
             continue_keys: HashSet::new(),
             busy: false,
@@ -114,12 +111,6 @@ impl Pass {
         self.wanted = true;
     }
 
-    /// Busy polling: claim again, but not before `at`.
-    pub(crate) fn poll_at(&mut self, at: Instant) {
-        self.wanted = true;
-        self.not_before = Some(at);
-    }
-
     /// A scheduled row becomes due at `at`: claim then (the earliest such time is kept).
     pub(crate) fn wake_at(&mut self, at: Instant) {
         self.wake_at = Some(self.wake_at.map_or(at, |t| t.min(at)));
@@ -131,7 +122,6 @@ impl Pass {
         !self.busy
             && (self.wanted || self.sweep_wanted || self.sweep.is_some() || woken)
             && self.retry.ready(now)
-            && (woken || self.not_before.is_none_or(|t| t <= now))
     }
 
     /// When a wanted claim that waits on time becomes due, or a scheduled row does. A
@@ -140,10 +130,7 @@ impl Pass {
     /// claim starts at its next wake-up instead.
     pub(crate) fn next_due(&self) -> Option<Instant> {
         let waiting = if self.wanted {
-            [self.retry.not_before(), self.not_before]
-                .into_iter()
-                .flatten()
-                .min()
+            self.retry.not_before()
         } else {
             None
         };
@@ -156,7 +143,6 @@ impl Pass {
     /// what it reads. The pass is busy until [`Pass::returned`] or [`Pass::failed`].
     pub(crate) fn start(&mut self, now: Instant, limit: usize, window: Duration) -> Plan {
         self.busy = true;
-        self.not_before = None;
         if self.wake_at.is_some_and(|t| t <= now) {
             // A scheduled row is due: a forward claim reads it.
             self.wake_at = None;
@@ -235,6 +221,7 @@ impl Pass {
     }
 
     /// A claim is wanted (set again since the last one started, or never cleared).
+    #[cfg(test)]
     pub(crate) fn wanted(&self) -> bool {
         self.wanted
     }

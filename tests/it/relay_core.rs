@@ -357,6 +357,169 @@ async fn notify_wakes_the_relay_long_before_the_poll() {
     );
 }
 
+/// Claims are started by commits, not by a timer. Producers commit 10 rows every 40 ms:
+/// each commit is claimed in one go, and the claim after it finds nothing, so the relay
+/// waits with the wake-up on and every commit's NOTIFY starts the next claim. Counted over
+/// 40 commits: the producers' NOTIFYs (on a LISTEN connection of the test's own) and the
+/// relay's claims by whether they found rows (its own metric). Each commit costs the claim
+/// its NOTIFY starts and the one after it, so claims without rows stay within twice those
+/// with rows. The old design went busy at one claim of 8 rows, then claimed every 5 ms
+/// with the wake-up off until 50 ms passed without rows: at a commit every 40 ms it stayed
+/// busy, the commits went unannounced and several empty claims ran between two commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_start_the_claims_not_a_timer() {
+    use futures_util::StreamExt;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let db = TestDb::new().await;
+    let broker = Broker::new("#").await;
+    let mut config = test_config(&broker);
+    // No poll tick in the way: only commits, and the flag's renewal each lease round, wake it.
+    config.poll_interval = Duration::from_secs(60);
+    let tel = outbox_relay::telemetry::Telemetry::default();
+    let deps = outbox_relay::relay::Deps {
+        pool: db.pool(),
+        db: db.target.clone(),
+        schema: db.schema.clone(),
+        amqp: outbox_kit::amqp::AmqpTarget::parse(&crate::support::amqp_url()).unwrap(),
+        telemetry: tel.clone(),
+    };
+    let relay = InProcessRelay::start_with(deps, config, &crate::support::unique("relay"));
+    let claims = |found: &'static str| {
+        tel.metrics
+            .claims
+            .get_or_create(&vec![("found", found)])
+            .get()
+    };
+    // The producers' NOTIFYs, on a connection of the test's own.
+    let notified = Arc::new(AtomicUsize::new(0));
+    let (listen, mut connection) = db
+        .target
+        .connect_dedicated(&db.schema, "it-listen")
+        .await
+        .unwrap();
+    let count = notified.clone();
+    let listener = tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if matches!(m, tokio_postgres::AsyncMessage::Notification(_)) {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        listen.batch_execute(&format!("LISTEN \"{}\"", db.schema.notify_channel())),
+    )
+    .await
+    .expect("LISTEN within 20 s")
+    .unwrap();
+    let client = db.client().await;
+    wait_idle_listening(&db, &client).await;
+    // The listener hears the channel (else the count below could not fail for its reason).
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        client.execute(
+            "SELECT pg_notify($1, 'test')",
+            &[&db.schema.notify_channel()],
+        ),
+    )
+    .await
+    .expect("NOTIFY within 20 s")
+    .unwrap();
+    crate::support::wait_for(
+        "the test's own NOTIFY heard",
+        Duration::from_secs(10),
+        || async { (notified.load(Ordering::Relaxed) > 0).then_some(()) },
+    )
+    .await;
+
+    const WARMUP: usize = 5;
+    const MEASURED: usize = 40;
+    let commits = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::new(std::sync::Mutex::new(None));
+    let producer = {
+        let client = db.client().await;
+        let (commits, counted) = (commits.clone(), counted.clone());
+        let (notified, tel) = (notified.clone(), tel.clone());
+        tokio::spawn(async move {
+            let claims = |found: &'static str| {
+                tel.metrics
+                    .claims
+                    .get_or_create(&vec![("found", found)])
+                    .get()
+            };
+            let mut ids = Vec::new();
+            let mut every = tokio::time::interval(Duration::from_millis(40));
+            for n in 0..WARMUP + MEASURED {
+                every.tick().await;
+                if n == WARMUP {
+                    // Counted from here: (NOTIFYs, claims with rows, claims without).
+                    *counted.lock().unwrap() = Some((
+                        notified.load(Ordering::Relaxed),
+                        claims("rows"),
+                        claims("none"),
+                    ));
+                }
+                let rows = tokio::time::timeout(
+                    Duration::from_secs(20),
+                    client.query(
+                        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                         SELECT 'order', 'k' || g, 'created', jsonb_build_object('n', $1::int, 'g', g)
+                           FROM generate_series(1, 10) AS g
+                         RETURNING event_id",
+                        &[&(n as i32)],
+                    ),
+                )
+                .await
+                .expect("insert within 20 s")
+                .unwrap();
+                ids.extend(rows.iter().map(|r| r.get::<_, uuid::Uuid>(0)));
+                commits.fetch_add(1, Ordering::Relaxed);
+            }
+            ids
+        })
+    };
+    let committed = tokio::time::timeout(Duration::from_secs(60), producer)
+        .await
+        .expect("the producer ends within 60 s")
+        .unwrap();
+    broker
+        .wait_count(committed.len(), Duration::from_secs(30))
+        .await;
+    let (notified_from, rows_from, none_from) = counted.lock().unwrap().expect("counted");
+    // Every commit sends its NOTIFY while the relay waits; a few may go unannounced when
+    // claims happen to find rows three times in a row (the relay is then busy until the
+    // next empty claim). The old design announced next to none.
+    crate::support::wait_for_explained(
+        "the commits announced by NOTIFY",
+        Duration::from_secs(10),
+        || async {
+            (2 * (notified.load(Ordering::Relaxed) - notified_from) >= MEASURED).then_some(())
+        },
+        || async {
+            format!(
+                ": {} NOTIFYs for {MEASURED} commits",
+                notified.load(Ordering::Relaxed) - notified_from
+            )
+        },
+    )
+    .await;
+    let rows = claims("rows") - rows_from;
+    let none = claims("none") - none_from;
+    let heard = notified.load(Ordering::Relaxed) - notified_from;
+    relay.stop().await;
+    listener.abort();
+    check(&committed, &broker.received()).assert_clean();
+    // Each lease round (1 s here) renews the flag and claims once more: a few, not per commit.
+    assert!(
+        none <= 2 * rows + 6,
+        "{none} empty claims for {rows} claims with rows over {MEASURED} commits \
+         ({heard} NOTIFYs): claims ran on a timer"
+    );
+}
+
 /// Waits until the relay holds its partitions, has asked for wake-ups and LISTENs.
 async fn wait_idle_listening(db: &TestDb, client: &tokio_postgres::Client) {
     crate::support::wait_for(

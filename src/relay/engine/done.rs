@@ -12,7 +12,7 @@ use outbox_kit::db::DbError;
 use super::{ClaimMeta, Done, Engine};
 use crate::relay::RelayError;
 use crate::relay::claim::{Claimed, LeaseRound};
-use crate::relay::hand::Key;
+use crate::relay::key::Key;
 
 impl Engine {
     /// Readiness follows the database round trips: one failing marks Postgres down, the
@@ -133,7 +133,7 @@ impl Engine {
     fn claimed(&mut self, meta: ClaimMeta, claimed: Claimed) {
         let mut per_key: HashMap<Key, usize> = HashMap::new();
         for row in &claimed.rows {
-            *per_key.entry(Key::of(row)).or_default() += 1;
+            *per_key.entry(row.key()).or_default() += 1;
         }
         let full: HashSet<Key> = per_key
             .into_iter()
@@ -156,12 +156,8 @@ impl Engine {
         let forward = self
             .pass
             .returned(now, meta.sweeping, claimed.scanned_to, reached_end, new);
-        if forward
-            && let Some(at) = self
-                .pacing
-                .forward_claimed(now, new, reached_end, self.pass.wanted())
-        {
-            self.pass.poll_at(at);
+        if forward {
+            self.pacing.forward_claimed(new, reached_end);
         }
     }
 

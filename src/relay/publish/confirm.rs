@@ -29,7 +29,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::super::hand::Key;
+use super::super::key::Key;
 use super::{Acked, Outcome};
 
 #[cfg(test)]

@@ -23,8 +23,8 @@ use lapin::{BasicProperties, Confirmation};
 use tokio::sync::mpsc;
 
 use super::confirm::{self, ConfirmResult, NackRun, Pending, Resolved, ReturnInfo, Returns};
+use super::lost::Lost;
 use super::message::Prepared;
-use super::session::Lost;
 use super::{Outcome, Settled, SettledBatch};
 
 /// A publish's confirm: the row it is for (`None` for a probe) and how it resolved.

@@ -19,7 +19,7 @@ use outbox_kit::amqp::long_string;
 use outbox_kit::contract::headers;
 
 use super::super::claim::ClaimedRow;
-use super::super::hand::Key;
+use super::super::key::Key;
 
 /// Why a row cannot be published as it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,7 +176,7 @@ pub(crate) fn prepare(
     Ok(Prepared {
         row_id: row.id,
         seq: row.seq,
-        key: Key::of(row),
+        key: row.key(),
         event_id,
         routing_key: row.routing_key.as_str().into(),
         body_bytes: row.body_bytes,

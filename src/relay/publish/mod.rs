@@ -6,7 +6,8 @@
 //! how the broker settled it (`Outcome`). The parts, in the order a row meets them:
 //! - `message`: the contract, a claimed row → AMQP properties, headers and body, or a
 //!   `Refusal` (`prepare`);
-//! - `session`: connect, declare, open the lanes, end them all together;
+//! - `session`: connect, declare, open the lanes, end them all together (`lost`: the
+//!   end they share);
 //! - `lane`: publish, wait on confirms with a deadline, send probes, report;
 //! - `confirm`: the decision, a pure function from one round of confirms to each row's
 //!   `Outcome`.
@@ -18,6 +19,7 @@
 
 mod confirm;
 mod lane;
+mod lost;
 mod message;
 mod replay;
 mod session;
@@ -30,7 +32,7 @@ pub(crate) use replay::mark_replayed;
 pub(crate) use message::{Prepared, Refusal};
 pub(crate) use session::{Session, SessionConfig};
 
-use super::hand::Key;
+use super::key::Key;
 
 /// A broker ack without a return for this row. Only the publish module makes them; marking
 /// rows dispatched takes nothing else.

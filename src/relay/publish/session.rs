@@ -3,24 +3,23 @@
 //! it already gave up on.
 //!
 //! Invariants: a session ends as a whole. Whatever ends it first (a lane's timeout or
-//! channel error, a connection error, the relay closing it) raises [`Lost`] once, with the
+//! channel error, a connection error, the relay closing it) raises [`Lost`](super::lost::Lost) once, with the
 //! first reason kept; every lane then stops and reports nothing more, and the engine fails
 //! the rows still in flight and opens a new session. A key always publishes on the same lane,
 //! so its messages reach the broker in order.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::ConfirmSelectOptions;
 use lapin::{Connection, ExchangeKind};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 use outbox_kit::amqp::{self, AmqpError, AmqpTarget};
 use outbox_kit::internal::rpc;
 
 use super::SettledBatch;
 use super::lane::Lane;
+use super::lost::Lost;
 use super::message::Prepared;
 
 /// Settings of one AMQP session.
@@ -36,52 +35,6 @@ pub(crate) struct SessionConfig {
     pub confirm_timeout: Duration,
     /// The connection name the broker shows.
     pub connection_name: String,
-}
-
-/// The end of a session, raised once by whatever ended it; the first reason given is kept.
-#[derive(Clone)]
-pub(super) struct Lost {
-    token: CancellationToken,
-    why: Arc<std::sync::OnceLock<String>>,
-    /// The broker the session is on, and which of its nodes (shared by the lanes' copies).
-    node: Arc<(AmqpTarget, usize)>,
-}
-
-impl Lost {
-    fn new(target: &AmqpTarget, node: usize) -> Lost {
-        Lost {
-            token: CancellationToken::default(),
-            why: Arc::default(),
-            node: Arc::new((target.clone(), node)),
-        }
-    }
-
-    pub(super) fn raise(&self, why: impl Into<String>) {
-        let _ = self.why.set(why.into());
-        self.token.cancel();
-    }
-
-    /// Ends the session because its node refuses every publish (nacks for a confirm
-    /// timeout): the node answers, so without this the reconnect would go back to it. The
-    /// target moves on before anyone learns of the loss, so the engine's reconnect starts
-    /// with the next node of the list.
-    pub(super) fn raise_refused(&self, why: impl Into<String>) {
-        let (target, node) = &*self.node;
-        target.give_up_on(*node);
-        self.raise(why);
-    }
-
-    pub(super) async fn raised(&self) {
-        self.token.cancelled().await
-    }
-
-    fn is_raised(&self) -> bool {
-        self.token.is_cancelled()
-    }
-
-    fn why(&self) -> &str {
-        self.why.get().map_or("unknown", String::as_str)
-    }
 }
 
 /// One AMQP connection and its publishing lanes.
@@ -201,26 +154,5 @@ impl Session {
             self.conn.close(200, "outbox-relay closing".into()),
         )
         .await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A session replaced for nacks reconnects to the next node of the list; a session
-    /// lost for another reason (a timeout, a closed connection) leaves the choice to the
-    /// connect, which retries the node that last worked first.
-    #[test]
-    fn a_session_ended_for_nacks_moves_on_to_the_next_node() {
-        let target = AmqpTarget::parse("amqp://a/%2f,amqp://b/%2f,amqp://c/%2f").unwrap();
-        let lost = Lost::new(&target, 0);
-        lost.raise("a confirm timed out");
-        assert_eq!(target.preferred_node(), 0, "a timeout: the same node first");
-        let lost = Lost::new(&target, 0);
-        lost.raise_refused("the broker nacked every publish for 15s");
-        assert!(lost.is_raised());
-        assert_eq!(target.preferred_node(), 1, "nacks: the next node first");
-        assert_eq!(lost.why(), "the broker nacked every publish for 15s");
     }
 }

@@ -192,13 +192,7 @@ impl Arrivals {
 
     /// How long each producer's INSERT (autocommit) of events `range` took, ms.
     pub fn insert_ms(&self, range: std::ops::Range<usize>) -> Vec<f64> {
-        range
-            .filter_map(|n| {
-                let s = self.started[n].load(Ordering::Relaxed);
-                let c = self.committed[n].load(Ordering::Relaxed);
-                (s != 0 && c >= s).then(|| (c - s) as f64 / 1e6)
-            })
-            .collect()
+        between_ms(&self.started, &self.committed, range)
     }
 
     /// Event `n`'s commit and arrival on the wall clock (Unix ns), when both happened.
@@ -215,7 +209,8 @@ impl Arrivals {
         }
     }
 
-    fn arrived(&self, body: &[u8]) {
+    /// A message (or a notification) whose body names event `n` arrived now.
+    pub fn arrived(&self, body: &[u8]) {
         let at = self.stamp();
         match crate::pg::order_id_of(body).and_then(|n| self.arrived.get(n as usize)) {
             Some(slot) => {
@@ -272,6 +267,12 @@ impl Arrivals {
         (out, missing, early)
     }
 
+    /// From handing the work over ([`Arrivals::started`]) to arrival (ms), for the events of
+    /// `range` that arrived: the floor's hops, which no commit precedes.
+    pub fn sent_to_arrival(&self, range: std::ops::Range<usize>) -> Vec<f64> {
+        between_ms(&self.started, &self.arrived, range)
+    }
+
     /// Latency p50 (ms) per `window` of commit time, from the first commit in `range`:
     /// shows whether the relay keeps up or falls further behind as the run goes on.
     pub fn p50_by_window(&self, range: std::ops::Range<usize>, window: Duration) -> Vec<f64> {
@@ -310,6 +311,17 @@ impl Arrivals {
         let (lo, hi) = stamps.fold((u64::MAX, 0), |(lo, hi), c| (lo.min(c), hi.max(c)));
         if hi > lo { (hi - lo) as f64 / 1e9 } else { 0.0 }
     }
+}
+
+/// From one recorded instant to a later one (ms), for the events of `range` that have both.
+fn between_ms(from: &[AtomicU64], to: &[AtomicU64], range: std::ops::Range<usize>) -> Vec<f64> {
+    range
+        .filter_map(|n| {
+            let f = from[n].load(Ordering::Relaxed);
+            let t = to[n].load(Ordering::Relaxed);
+            (f != 0 && t >= f).then(|| (t - f) as f64 / 1e6)
+        })
+        .collect()
 }
 
 /// The broker ceiling's result.

@@ -116,7 +116,7 @@ impl Trace {
 
 /// The stages reported, in order: (name, from, to) as indexes into an event's instants
 /// [commit, woken, sent, returned, published, confirmed, marked, delivered].
-pub const STAGES: [(&str, usize, usize); 9] = [
+pub const STAGES: [(&str, usize, usize); 10] = [
     ("commit → relay woken", 0, 1),
     ("woken → claim sent", 1, 2),
     ("claim sent → claim returned", 2, 3),
@@ -126,7 +126,13 @@ pub const STAGES: [(&str, usize, usize); 9] = [
     ("published → delivered", 4, 7),
     ("commit → marked", 0, 6),
     ("commit → delivered", 0, 7),
+    // Last, so the indexes above stay: the part of the latency that is the relay's own (the
+    // broker's hop after it, and the floor report beside it, are not).
+    (RELAY_SHARE, 0, 4),
 ];
+
+/// The stage that is the relay's own share of the latency: commit → published.
+pub const RELAY_SHARE: &str = "commit → published (the relay's own share)";
 
 /// Per-stage latency and what the claims and marks did over the measured events.
 #[derive(Clone, Debug, Default)]
@@ -254,6 +260,8 @@ mod tests {
         assert_eq!(max(8), 7.0);
         // commit → marked = the sum of the chain: 9.5, 8, 8 ms.
         assert_eq!(max(7), 9.5);
+        // The relay's own share ends at the publish, before the confirm and the mark.
+        assert!(max(9) > 0.0 && max(9) < max(7));
         assert_eq!((b.claims, b.claims_with_rows, b.claim_rows), (2, 2, 3));
         assert_eq!((b.marks, b.mark_rows), (2, 3));
         assert_eq!(b.notifies, 1);

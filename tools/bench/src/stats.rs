@@ -1,5 +1,6 @@
 //! Latency summaries: nearest-rank percentiles over every sample (no histogram buckets, so
-//! p99 of a few thousand samples is exact rather than a bucket bound).
+//! p99 of a few thousand samples is exact rather than a bucket bound), and the number
+//! formats the report and the chart share.
 
 use serde_json::{Value, json};
 
@@ -49,6 +50,20 @@ pub fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// `1234567.0` as `1,234,567`.
+pub fn thousands(v: f64) -> String {
+    let n = v.round() as i64;
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 { format!("-{out}") } else { out }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,5 +78,14 @@ mod tests {
         let one = Summary::of(vec![7.0]);
         assert_eq!((one.p50_ms, one.p99_ms, one.max_ms), (7.0, 7.0, 7.0));
         assert_eq!(Summary::of(vec![]).count, 0);
+    }
+
+    #[test]
+    fn thousands_are_grouped() {
+        assert_eq!(thousands(0.0), "0");
+        assert_eq!(thousands(999.4), "999");
+        assert_eq!(thousands(1000.0), "1,000");
+        assert_eq!(thousands(5_000_000.0), "5,000,000");
+        assert_eq!(thousands(-1234.0), "-1,234");
     }
 }

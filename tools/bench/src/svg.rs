@@ -2,6 +2,7 @@
 //! one picture): drain rate against batch size, one line per channel count, with the
 //! broker ceiling measured next to each point as a dashed line in the same colour.
 
+use crate::stats::thousands;
 use std::fmt::Write;
 
 pub struct Series {
@@ -175,10 +176,6 @@ fn nice_axis(max: f64) -> (f64, f64) {
         .find(|s| *s >= raw)
         .unwrap_or(10.0 * mag);
     ((max * 1.1 / step).ceil() * step, step)
-}
-
-fn thousands(v: f64) -> String {
-    crate::report::thousands(v)
 }
 
 fn escape(s: &str) -> String {

@@ -72,6 +72,10 @@ async fn bench_smoke_measures_every_section() {
     );
     assert!(stdout.contains("| 1 | broker ceiling"), "{stdout}");
     assert!(stdout.contains("Targets:"), "{stdout}");
+    assert!(
+        stdout.contains("the wake-up's hop alone") && stdout.contains("floor: broker hop"),
+        "the floor is printed in the latency section and the targets: {stdout}"
+    );
 
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap())
         .expect("the JSON report parses");
@@ -107,6 +111,17 @@ async fn bench_smoke_measures_every_section() {
         if r["listen"] == true {
             let traced = r["stages"]["events"].as_u64().unwrap();
             assert!(traced > 0, "the stage trace covers events: {r}");
+            // The floor beside it: the broker's hop and the wake-up's hop, each alone.
+            for hop in ["broker_hop", "wakeup_hop"] {
+                let f = &r["floor"][hop];
+                assert!(f["samples"].as_u64().unwrap() > 0, "{hop} measured: {r}");
+                assert!(f["p50_ms"].as_f64().unwrap() > 0.0, "{hop} measured: {r}");
+            }
+        } else {
+            assert!(
+                r["floor"].is_null(),
+                "the floor is measured once per rate: {r}"
+            );
         }
     }
     let yardstick = report["latency"]["yardstick_runs"].as_array().unwrap();
@@ -131,12 +146,13 @@ async fn bench_smoke_measures_every_section() {
         .iter()
         .map(|t| t["name"].as_str().unwrap())
         .collect();
-    // Six drain, producer, wake-up, growth and memory targets; latency at 500/s; three per
-    // latency rate (against the yardstick twice, the producers against no relay); the drain
-    // against the best ceiling of the sweep.
-    assert_eq!(targets.len(), 14, "{targets:?}");
+    // Six drain, producer, wake-up, growth and memory targets; latency at 500/s; four per
+    // latency rate (the relay's own share beside the floor, against the yardstick twice, the
+    // producers against no relay); the drain against the best ceiling of the sweep.
+    assert_eq!(targets.len(), 16, "{targets:?}");
     for rate in ["200", "1,000"] {
         for what in [
+            format!("relay's own share, commit → published, at {rate}/s (p50, p99)"),
             format!("latency at {rate}/s vs the yardstick's (p50, p99)"),
             format!("Postgres CPU per event at {rate}/s vs the yardstick's"),
             format!("producers' INSERT p50 at {rate}/s, relay running vs none"),

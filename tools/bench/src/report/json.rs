@@ -282,6 +282,10 @@ impl Results {
                 "dead_tuples_at_end": l.pg.dead_tup,
                 "autovacuums": l.pg.autovacuums,
             },
+            "floor": l.floor.as_ref().map(|f| json!({
+                "broker_hop": f.broker.json(),
+                "wakeup_hop": f.wakeup.json(),
+            })),
             "stages": l.stages.as_ref().map(|b| json!({
                 "events": b.events,
                 "events_untraced": b.events_untraced,

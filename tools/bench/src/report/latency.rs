@@ -4,9 +4,10 @@
 
 use std::fmt::Write;
 
-use super::{Results, thousands};
-use crate::sections::{Latency, Runner};
+use super::Results;
+use crate::sections::{Floor, Latency, Runner};
 use crate::stages::STAGES;
+use crate::stats::{Summary, thousands};
 
 impl Results {
     /// Steady latency next to the yardstick and without a relay, and our relay's stages.
@@ -95,6 +96,19 @@ impl Results {
                 format!("{:.2} / {:.2}", s.p50_ms, s.p99_ms)
             });
         }
+        let floor = |l: &Latency, hop: fn(&Floor) -> &Summary| {
+            l.floor.as_ref().map_or("-".into(), |f| {
+                format!("{:.2} / {:.2}", hop(f).p50_ms, hop(f).p99_ms)
+            })
+        };
+        line(
+            "floor beside it: the broker's hop alone (publish → delivered)",
+            &|l| floor(l, |f| &f.broker),
+        );
+        line(
+            "floor beside it: the wake-up's hop alone (INSERT sent → NOTIFY received)",
+            &|l| floor(l, |f| &f.wakeup),
+        );
         line("events traced (not traced)", &|l| {
             let b = l.stages.as_ref().expect("traced");
             format!("{} ({})", b.events, b.events_untraced)
@@ -143,7 +157,7 @@ impl Results {
 }
 
 /// `a / b` for p50 and p99.
-fn ratio_pair(a: &crate::stats::Summary, b: &crate::stats::Summary) -> String {
+fn ratio_pair(a: &Summary, b: &Summary) -> String {
     let r = |x: f64, y: f64| {
         if y > 0.0 {
             format!("{:.2}", x / y)

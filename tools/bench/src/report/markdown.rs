@@ -3,9 +3,10 @@
 
 use std::fmt::Write;
 
-use super::{Results, mb, ok, thousands};
+use super::{Results, mb, ok};
 use crate::amqp::Ceiling;
 use crate::sections::{CeilingRuns, Drain, Runner};
+use crate::stats::thousands;
 
 impl Results {
     /// The Markdown report printed on stdout.

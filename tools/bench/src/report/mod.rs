@@ -9,6 +9,8 @@
 use crate::sections::{
     CeilingRuns, ConsumerRuns, Drain, Growth, Latency, ProducerCost, Runner, Scale, Settings, Sweep,
 };
+use crate::stages::{RELAY_SHARE, STAGES};
+use crate::stats::thousands;
 use crate::svg;
 
 mod json;
@@ -77,20 +79,6 @@ pub struct Target {
     pub goal: String,
     pub measured: String,
     pub met: Option<bool>,
-}
-
-/// `1234567.0` as `1,234,567`.
-pub fn thousands(v: f64) -> String {
-    let n = v.round() as i64;
-    let digits = n.unsigned_abs().to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    if n < 0 { format!("-{out}") } else { out }
 }
 
 fn ok<T>(o: &Outcome<T>) -> Option<&T> {
@@ -275,6 +263,22 @@ impl Results {
         });
         for l in self.latency_runs(ours) {
             let rate = thousands(l.target_rate as f64);
+            let share = STAGES.iter().position(|(name, _, _)| *name == RELAY_SHARE);
+            if let (Some(b), Some(i)) = (&l.stages, share) {
+                let share = &b.stages[i];
+                let floor = l.floor.as_ref().map_or(String::new(), |f| {
+                    format!(
+                        " (floor: broker hop {:.2} / {:.2} ms, wake-up hop {:.2} / {:.2} ms)",
+                        f.broker.p50_ms, f.broker.p99_ms, f.wakeup.p50_ms, f.wakeup.p99_ms
+                    )
+                });
+                t.push(Target {
+                    name: format!("relay's own share, commit → published, at {rate}/s (p50, p99)"),
+                    goal: "<= 0.5 ms, <= 2 ms".into(),
+                    measured: format!("{:.2} ms, {:.2} ms{floor}", share.p50_ms, share.p99_ms),
+                    met: Some(share.p50_ms <= 0.5 && share.p99_ms <= 2.0 && l.missing == 0),
+                });
+            }
             if let Some(y) = self.latency_at(l.target_rate, Runner::Yardstick) {
                 let (p50, p99) = (
                     l.summary.p50_ms / y.summary.p50_ms,
@@ -374,19 +378,5 @@ impl Results {
             &categories,
             &series,
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn thousands_are_grouped() {
-        assert_eq!(thousands(0.0), "0");
-        assert_eq!(thousands(999.4), "999");
-        assert_eq!(thousands(1000.0), "1,000");
-        assert_eq!(thousands(5_000_000.0), "5,000,000");
-        assert_eq!(thousands(-1234.0), "-1,234");
     }
 }

@@ -8,11 +8,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tokio_postgres::Client;
 
 use crate::amqp::{Arrivals, BenchBroker};
 use crate::pg::{self, BenchDb};
@@ -21,7 +19,8 @@ use crate::relay::RelayProcess;
 use crate::stages::{Breakdown, Trace};
 use crate::stats::Summary;
 
-use super::{Ctx, wait_until};
+use super::floor::{Floor, floor};
+use super::{Ctx, open_loop, wait_until};
 
 /// What takes the events from the table to the broker in one run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +105,8 @@ pub struct Latency {
     /// The producers' INSERT (autocommit) round trips.
     pub insert: Summary,
     pub load: Load,
+    /// The broker's and the wake-up's hops alone at this rate (beside our relay with LISTEN).
+    pub floor: Option<Floor>,
     /// Per-stage latency of our relay with LISTEN (from its stage trace).
     pub stages: Option<Breakdown>,
 }
@@ -120,9 +121,16 @@ impl Latency {
 /// latency of each is from its COMMIT returning to the producer to its arrival at a
 /// consumer of the bound queue. Both instants are read in this process, on one clock.
 pub async fn latency(ctx: &Ctx, rate: u64, runner: Runner) -> Result<Latency> {
+    // The floor first, on a quiet broker and database, beside the run it is compared with.
+    let floor = match runner {
+        Runner::Relay { listen: true } => Some(floor(ctx, rate).await?),
+        _ => None,
+    };
     let db = ctx.admin.create_db().await?;
     let broker = BenchBroker::new(&ctx.amqp, &ctx.tag("latency")).await?;
-    let result = latency_inner(ctx, &db, &broker, rate, runner).await;
+    let result = latency_inner(ctx, &db, &broker, rate, runner)
+        .await
+        .map(|l| Latency { floor, ..l });
     broker.delete().await;
     ctx.admin.drop_db(&db.name).await;
     result
@@ -296,6 +304,7 @@ async fn latency_inner(
         pg,
         insert: Summary::of(arrivals.insert_ms(warmup..total)),
         load,
+        floor: None,
         stages,
     })
 }
@@ -323,46 +332,4 @@ async fn breakdown(
         })
         .collect();
     Ok(Breakdown::of(&Trace::parse(&text), &events))
-}
-
-/// `producers` connections commit events `0..total` on a fixed schedule (event i is due
-/// at start + i/rate, whoever is free takes it), recording each INSERT's start and commit;
-/// no event is taken after `stop_after`.
-/// Returns the connections, still open (their backends' CPU is read before they close).
-async fn open_loop(
-    db: &BenchDb,
-    producers: usize,
-    rate: u64,
-    (total, stop_after): (usize, Duration),
-    keys: u64,
-    arrivals: &Arc<Arrivals>,
-) -> Result<Vec<Client>> {
-    let next = Arc::new(AtomicU64::new(0));
-    let start = tokio::time::Instant::now() + Duration::from_millis(200);
-    let mut tasks = Vec::new();
-    for p in 0..producers.max(1) {
-        let client = db.connect(&format!("outbox-bench-producer-{p}")).await?;
-        let (next, arrivals) = (next.clone(), arrivals.clone());
-        tasks.push(tokio::spawn(async move {
-            let stmt = client.prepare(&pg::insert_one_sql("outbox_events")).await?;
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= total as u64 || start.elapsed() > stop_after {
-                    return Ok::<_, anyhow::Error>(client);
-                }
-                let due = start + Duration::from_secs_f64(i as f64 / rate as f64);
-                tokio::time::sleep_until(due).await;
-                let key = format!("k{}", i % keys.max(1));
-                let payload = pg::payload_json(i);
-                arrivals.started(i);
-                client.execute(&stmt, &[&key, &payload]).await?;
-                arrivals.committed(i);
-            }
-        }));
-    }
-    let mut clients = Vec::new();
-    for t in tasks {
-        clients.push(t.await??);
-    }
-    Ok(clients)
 }
