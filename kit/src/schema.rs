@@ -93,6 +93,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0014_late_events.sql",
         sql: include_str!("../../sql/0014_late_events.sql"),
     },
+    Migration {
+        version: 15,
+        name: "0015_numbered_at_insert.sql",
+        sql: include_str!("../../sql/0015_numbered_at_insert.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.
