@@ -57,6 +57,57 @@ ALTER TABLE outbox_events ADD COLUMN idempotency_key text;
 CREATE UNIQUE INDEX outbox_events_idempotency_key
     ON outbox_events (aggregate_type, idempotency_key) WHERE idempotency_key IS NOT NULL;
 
+-- The insert trigger of 0015 takes the key's next seq before the unique index is checked:
+-- an INSERT that ON CONFLICT DO NOTHING then skips would leave its number without an event.
+-- So an insert with an idempotency key first waits for any other transaction inserting the
+-- same key (a transaction-level advisory lock on the aggregate type and key, taken before
+-- the key's counter, so the two locks are always taken in one order), then looks for a row
+-- that holds the key; if one does, the number goes back (the key's counter row is still
+-- this transaction's) and the row is inserted without one, which the unique index then
+-- refuses or ON CONFLICT skips. Same body as 0015 otherwise.
+DO $do$
+BEGIN
+    EXECUTE format($f$
+CREATE OR REPLACE FUNCTION %1$I.outbox_number_event() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = %1$I, pg_temp
+AS $$
+BEGIN
+    IF NEW.idempotency_key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(
+            hashtextextended(NEW.aggregate_type || chr(31) || NEW.idempotency_key, 17));
+    END IF;
+    IF NEW.available_at > NEW.created_at THEN
+        -- Scheduled: numbered once due (outbox_number_due). The key gets its counter now,
+        -- so that numbering it later never has to wait for a producer creating it.
+        NEW.seq := NULL;
+        INSERT INTO %1$I.outbox_key_seq (aggregate_type, aggregate_id, last_seq)
+        VALUES (NEW.aggregate_type, NEW.aggregate_id, 0)
+        ON CONFLICT DO NOTHING;
+        RETURN NEW;
+    END IF;
+    INSERT INTO %1$I.outbox_key_seq AS k (aggregate_type, aggregate_id, last_seq)
+    VALUES (NEW.aggregate_type, NEW.aggregate_id, 1)
+    ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = k.last_seq + 1
+    RETURNING k.last_seq INTO NEW.seq;
+    -- An event_id or an idempotency key already stored: this INSERT fails, or is skipped
+    -- by ON CONFLICT DO NOTHING, after this trigger. Its number goes back (the key's row is
+    -- still ours), so that no number is left without an event.
+    IF EXISTS (SELECT 1 FROM %1$I.outbox_events e WHERE e.event_id = NEW.event_id)
+       OR (NEW.idempotency_key IS NOT NULL
+           AND EXISTS (SELECT 1 FROM %1$I.outbox_events e
+                        WHERE e.aggregate_type = NEW.aggregate_type
+                          AND e.idempotency_key = NEW.idempotency_key)) THEN
+        UPDATE %1$I.outbox_key_seq k SET last_seq = k.last_seq - 1
+         WHERE k.aggregate_type = NEW.aggregate_type AND k.aggregate_id = NEW.aggregate_id;
+        NEW.seq := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$
+$f$, current_schema());
+END
+$do$;
+
 CREATE TEMPORARY TABLE outbox_acl_0017 ON COMMIT DROP AS
     SELECT 'outbox_enqueue(text, text, text, jsonb, jsonb, timestamptz, text, text, text, uuid, text)'::text AS fn,
            proacl

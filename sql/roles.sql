@@ -23,12 +23,14 @@
 -- the ALTER ROLE statement: on a server that logs DDL (log_statement = ddl/all), set it
 -- with psql's \password instead.
 --
--- Every function of the relay and the consumer kit but one is SECURITY INVOKER: it runs
+-- Every function of the relay and the consumer kit but two is SECURITY INVOKER: it runs
 -- with the caller's privileges, so each role gets exactly what its functions touch, and
--- PUBLIC's default EXECUTE on those functions is revoked. The one,
--- outbox_refresh_statistics, runs as the owner because ANALYZE needs the owner; it
--- analyzes outbox_events and nothing else (when the statistics say fewer rows are pending
--- than a claim saw; sql/0007). Six pure helpers stay executable by everyone
+-- PUBLIC's default EXECUTE on those functions is revoked. The two run as the owner:
+-- outbox_refresh_statistics, because ANALYZE needs the owner; it analyzes outbox_events
+-- and nothing else (when the statistics say fewer rows are pending than a claim saw;
+-- sql/0007); and outbox_number_event, the insert trigger that takes the key's next seq in
+-- outbox_key_seq, so that producers need no grant there and cannot move a counter
+-- (sql/0015). Six pure helpers stay executable by everyone
 -- (outbox_headers_allowed, used by a CHECK constraint; outbox_partition_of;
 -- outbox_claim_lock_key; outbox_uuid_v7, the event_id default; outbox_utf8_valid;
 -- outbox_contract_version, which every client may ask): they read no table.
@@ -117,8 +119,9 @@ GRANT SELECT, DELETE ON :"schema".outbox_events TO :"relay_role";
 -- parked_at, seq; outbox_redrive: parked_at, attempts, seq.)
 GRANT UPDATE (dispatched_at, attempts, last_error, parked_at, seq)
     ON :"schema".outbox_events TO :"relay_role";
--- outbox_claim: a key's last seq and its numbered rows (insert or update);
--- outbox_record_failures (--on-park block-key) rewinds them; outbox_redrive edits them.
+-- outbox_claim numbers scheduled rows once due (outbox_number_due: the key's last seq);
+-- outbox_record_failures (--on-park block-key) records the parked seq (blocked_seq);
+-- outbox_redrive gives re-driven rows the key's next numbers.
 GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_key_seq TO :"relay_role";
 -- outbox_set_wakeup publishes the insert wake-up hint (setval); every role reads it in the
 -- trigger (SELECT is granted to PUBLIC by migration 0008).
@@ -173,9 +176,9 @@ GRANT SELECT, INSERT, UPDATE ON :"schema".outbox_budget_reservations TO :"consum
 
 ---------------------------------------------------------------------------------------------
 -- Functions, found by name so that any signature is covered. PUBLIC loses EXECUTE; each
--- role gets its own set. (outbox_wakeup, outbox_record_deleted and
--- outbox_redrive_counter_floor are trigger
--- functions: triggers fire whatever the writing role may EXECUTE, so nobody needs them.)
+-- role gets its own set. (outbox_wakeup, outbox_record_deleted, outbox_redrive_counter_floor
+-- and outbox_number_event are trigger functions: triggers fire whatever the writing role may
+-- EXECUTE, so nobody needs them.)
 
 CREATE TEMPORARY TABLE outbox_roles_functions (proname name, grantee text) ON COMMIT DROP;
 INSERT INTO outbox_roles_functions VALUES
@@ -186,6 +189,11 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_redrive', :'relay_role'),
     ('outbox_set_wakeup', :'relay_role'),
     ('outbox_refresh_statistics', :'relay_role'),
+    ('outbox_number_due', :'relay_role'),
+    ('outbox_claim_keys', :'relay_role'),
+    ('outbox_claim_pick', :'relay_role'),
+    ('outbox_claim_rows', :'relay_role'),
+    ('outbox_message_bytes', :'relay_role'),
     ('outbox_enqueue', :'producer_role'),
     ('outbox_wakeup', NULL),
     ('outbox_record_deleted', NULL),

@@ -130,17 +130,23 @@ macro_rules! selected {
 
 const COUNT: &str = concat!("SELECT count(*) FROM outbox_events e WHERE ", selected!());
 
-/// One batch, `$8` rows, in the column layout of `outbox_claim` (sql/0013) so that
+/// One batch, `$8` rows, with the columns of `outbox_claim`'s result (by name) so that
 /// `claim::claimed_row` reads it: the message is built from what the relay would read.
 const BATCH: &str = concat!(
     "SELECT e.id, e.event_id, e.aggregate_type, e.aggregate_id, e.event_type,
-            coalesce(e.routing_key, e.aggregate_type || '.' || e.event_type),
-            e.payload::text, octet_length(e.payload::text), e.headers::text,
-            e.traceparent, e.tracestate,
-            extract(epoch FROM e.created_at)::float8,
-            to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),
-            e.attempts, e.seq, 0, NULL::bigint, NULL::integer, NULL::integer, NULL::float8,
-            NULL::text
+            coalesce(e.routing_key, e.aggregate_type || '.' || e.event_type) AS routing_key,
+            e.payload::text AS body,
+            outbox_message_bytes(e.aggregate_type, e.aggregate_id, e.event_type,
+                                 coalesce(e.routing_key, e.aggregate_type || '.' || e.event_type),
+                                 e.payload::text, e.headers::text, e.traceparent, e.tracestate)
+              AS body_bytes,
+            e.headers::text AS headers, e.traceparent, e.tracestate,
+            extract(epoch FROM e.created_at)::float8 AS created_epoch,
+            to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
+              AS created_text,
+            e.attempts, e.seq, 0 AS partition, NULL::bigint AS scanned_to,
+            NULL::integer AS scanned, NULL::integer AS per_key, NULL::float8 AS next_due,
+            NULL::text AS unreadable
        FROM outbox_events e WHERE ",
     selected!(),
     " ORDER BY e.id LIMIT $8"

@@ -113,6 +113,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0018_replay.sql",
         sql: include_str!("../sql/0018_replay.sql"),
     },
+    Migration {
+        version: 15,
+        name: "0015_numbered_at_insert.sql",
+        sql: include_str!("../../sql/0015_numbered_at_insert.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

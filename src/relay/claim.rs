@@ -7,7 +7,10 @@
 //! marking and parking never touch a row that already has a final state. What a row holds
 //! is the producers' data: reading it never panics (`try_get`, errors returned), and a row
 //! whose text the server cannot send (not UTF-8, in a `SQL_ASCII` database) comes back
-//! [`ClaimedRow::unreadable`], to be parked with that reason (sql/0011).
+//! [`ClaimedRow::unreadable`], to be parked with that reason (sql/0011). On the steady
+//! path a claim only reads (rows are numbered by their INSERT, sql/0015): what the relay
+//! has in flight it tracks in memory and passes as `held`. Claim results are read by
+//! column name.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -165,6 +168,16 @@ pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed,
         ],
     ))
     .await?;
+    let Some(first) = rows.first() else {
+        return Ok(Claimed {
+            scanned_to: req.after,
+            scanned: 0,
+            per_key: req.per_key,
+            next_due: None,
+            rows: Vec::new(),
+        });
+    };
+    let cols = Columns::of(first)?;
     let mut out = Claimed {
         scanned_to: req.after,
         scanned: 0,
@@ -173,72 +186,145 @@ pub(crate) async fn claim(pool: &Pool, req: ClaimRequest<'_>) -> Result<Claimed,
         rows: Vec::with_capacity(rows.len()),
     };
     for row in rows {
-        let id: Option<i64> = row.try_get(0)?;
+        let id: Option<i64> = row.try_get(cols.id)?;
         let Some(id) = id else {
-            out.scanned_to = row.try_get::<_, Option<i64>>(16)?.unwrap_or(req.after);
-            out.scanned = row.try_get::<_, Option<i32>>(17)?.unwrap_or(0).max(0) as usize;
-            out.per_key = row.try_get::<_, Option<i32>>(18)?.unwrap_or(1).max(1) as usize;
+            out.scanned_to = row
+                .try_get::<_, Option<i64>>(cols.scanned_to)?
+                .unwrap_or(req.after);
+            out.scanned = row
+                .try_get::<_, Option<i32>>(cols.scanned)?
+                .unwrap_or(0)
+                .max(0) as usize;
+            out.per_key = row
+                .try_get::<_, Option<i32>>(cols.per_key)?
+                .unwrap_or(1)
+                .max(1) as usize;
             out.next_due = row
-                .try_get::<_, Option<f64>>(19)?
+                .try_get::<_, Option<f64>>(cols.next_due)?
                 .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX));
             continue;
         };
-        out.rows.push(claimed_row(id, &row)?);
+        out.rows.push(cols.claimed_row(id, &row)?);
     }
     Ok(out)
 }
 
-/// One claimed row. Columns by position (the order of outbox_claim's RETURNS TABLE):
-/// reading by name costs a string search per column per row. `replay` reads its rows in
-/// the same layout, so a replayed message is built exactly as the relay built it.
+/// One row in the layout of outbox_claim's result, its columns found by name: `replay`
+/// reads its rows through this, so a replayed message is built exactly as the relay built it.
 pub(crate) fn claimed_row(id: i64, row: &Row) -> Result<ClaimedRow, DbError> {
-    let body: Option<String> = row.try_get(6)?;
-    let body_bytes: i32 = row.try_get(7)?;
-    let headers: Option<String> = row.try_get(8)?;
-    let partition: i32 = row.try_get(15)?;
-    Ok(ClaimedRow {
-        id,
-        event_id: row.try_get(1)?,
-        aggregate_type: row.try_get(2)?,
-        aggregate_id: row.try_get(3)?,
-        event_type: row.try_get(4)?,
-        routing_key: row.try_get(5)?,
-        body: body.map(Arc::from),
-        body_bytes: body_bytes.max(0) as usize,
-        headers: headers.unwrap_or_else(|| "{}".into()),
-        traceparent: row.try_get(9)?,
-        tracestate: row.try_get(10)?,
-        created_epoch: row.try_get(11)?,
-        created_text: row.try_get(12)?,
-        attempts: row.try_get(13)?,
-        seq: row.try_get(14)?,
-        partition: partition as u8,
-        unreadable: row.try_get(20)?,
-    })
+    Columns::of(row)?.claimed_row(id, row)
 }
 
-/// The statement `mark_dispatched` runs: `$1` the acked ids, `$2` their numbers (public for the
-/// plan tests). "Pending" is `coalesce(..) IS NULL`, which no partial index serves, so the
-/// rows are found by primary key whatever Postgres believes about how many are pending.
-/// Written as two IS NULLs, statistics taken while none were pending (a vacuum of an idle
-/// outbox, then a burst) made it read every pending row for each mark (sql/0007,
-/// "Statistics").
-pub const MARK: &str = "UPDATE outbox_events e SET dispatched_at = now(), seq = m.seq
+/// Where each of outbox_claim's result columns is, found by name once per call (from its
+/// first row), so that a change in the function's column order cannot shift what
+/// the relay reads, and no row pays a name search per column.
+struct Columns {
+    id: usize,
+    event_id: usize,
+    aggregate_type: usize,
+    aggregate_id: usize,
+    event_type: usize,
+    routing_key: usize,
+    body: usize,
+    body_bytes: usize,
+    headers: usize,
+    traceparent: usize,
+    tracestate: usize,
+    created_epoch: usize,
+    created_text: usize,
+    attempts: usize,
+    seq: usize,
+    partition: usize,
+    scanned_to: usize,
+    scanned: usize,
+    per_key: usize,
+    next_due: usize,
+    unreadable: usize,
+}
+
+impl Columns {
+    fn of(row: &Row) -> Result<Columns, DbError> {
+        let at = |name: &str| match row.columns().iter().position(|c| c.name() == name) {
+            Some(i) => Ok(i),
+            // The driver's own error for a missing column, naming it.
+            None => Err(DbError::from(
+                row.try_get::<_, Option<i32>>(name)
+                    .expect_err("no such column"),
+            )),
+        };
+        Ok(Columns {
+            id: at("id")?,
+            event_id: at("event_id")?,
+            aggregate_type: at("aggregate_type")?,
+            aggregate_id: at("aggregate_id")?,
+            event_type: at("event_type")?,
+            routing_key: at("routing_key")?,
+            body: at("body")?,
+            body_bytes: at("body_bytes")?,
+            headers: at("headers")?,
+            traceparent: at("traceparent")?,
+            tracestate: at("tracestate")?,
+            created_epoch: at("created_epoch")?,
+            created_text: at("created_text")?,
+            attempts: at("attempts")?,
+            seq: at("seq")?,
+            partition: at("partition")?,
+            scanned_to: at("scanned_to")?,
+            scanned: at("scanned")?,
+            per_key: at("per_key")?,
+            next_due: at("next_due")?,
+            unreadable: at("unreadable")?,
+        })
+    }
+
+    /// One claimed row.
+    fn claimed_row(&self, id: i64, row: &Row) -> Result<ClaimedRow, DbError> {
+        let body: Option<String> = row.try_get(self.body)?;
+        let body_bytes: i32 = row.try_get(self.body_bytes)?;
+        let headers: Option<String> = row.try_get(self.headers)?;
+        let partition: i32 = row.try_get(self.partition)?;
+        Ok(ClaimedRow {
+            id,
+            event_id: row.try_get(self.event_id)?,
+            aggregate_type: row.try_get(self.aggregate_type)?,
+            aggregate_id: row.try_get(self.aggregate_id)?,
+            event_type: row.try_get(self.event_type)?,
+            routing_key: row.try_get(self.routing_key)?,
+            body: body.map(Arc::from),
+            body_bytes: body_bytes.max(0) as usize,
+            headers: headers.unwrap_or_else(|| "{}".into()),
+            traceparent: row.try_get(self.traceparent)?,
+            tracestate: row.try_get(self.tracestate)?,
+            created_epoch: row.try_get(self.created_epoch)?,
+            created_text: row.try_get(self.created_text)?,
+            attempts: row.try_get(self.attempts)?,
+            seq: row.try_get(self.seq)?,
+            partition: partition as u8,
+            unreadable: row.try_get(self.unreadable)?,
+        })
+    }
+}
+
+/// The statement `mark_dispatched` runs: `$1` the acked ids, `$2` the numbers they were
+/// published with (public for the plan tests). A row is marked only if it still carries
+/// that number (its INSERT took it, sql/0015): the mark writes `dispatched_at` alone.
+/// "Pending" is `coalesce(..) IS NULL`, which no partial index serves, so the rows are
+/// found by primary key whatever Postgres believes about how many are pending. Written as
+/// two IS NULLs, statistics taken while none were pending (a vacuum of an idle outbox, then
+/// a burst) made it read every pending row for each mark (sql/0007, "Statistics").
+pub const MARK: &str = "UPDATE outbox_events e SET dispatched_at = now()
   FROM unnest($1::bigint[], $2::bigint[]) AS m(id, seq),
        (SELECT set_config('synchronous_commit', 'off', true)) AS async
- WHERE e.id = m.id AND coalesce(e.dispatched_at, e.parked_at) IS NULL";
+ WHERE e.id = m.id AND e.seq = m.seq AND coalesce(e.dispatched_at, e.parked_at) IS NULL";
 
-/// Marks acked rows dispatched, writing the number each was published with (the claim
-/// kept it with the row's key until now). Only [`Acked`] values (broker confirmations
-/// without a return) can be passed. Returns how many rows changed.
+/// Marks acked rows dispatched, each only if it carries the number it was published with.
+/// Only [`Acked`] values (broker confirmations without a return) can be passed. Returns how
+/// many rows changed.
 ///
 /// The mark commits without waiting for its WAL flush (`synchronous_commit = off` for its
 /// own transaction only): a mark that a Postgres crash loses leaves its rows pending with
-/// their numbers kept by their keys, so they are published again with the same `seq`,
-/// exactly as after a relay killed between ack and mark. WAL is replayed in order, so a
-/// crash keeps every write committed before the last flushed commit: a lost mark never
-/// comes back with a later write of its key (a claim's numbering, which waits for its
-/// flush) kept.
+/// their numbers (taken at insert and committed with them), so they are published again
+/// with the same `seq`, exactly as after a relay killed between ack and mark.
 pub(crate) async fn mark_dispatched<'a>(
     pool: &Pool,
     acked: impl Iterator<Item = &'a Acked>,

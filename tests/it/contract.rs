@@ -328,6 +328,30 @@ async fn an_idempotency_key_enqueues_once() {
     );
     let count = count_events(&client).await;
     assert_eq!(count, 2, "one event per (aggregate_type, key)");
+    // The enqueues that inserted nothing took no number: the key's next event is its seq 2
+    // (the insert trigger numbers before the unique index is checked, and gives it back).
+    with_deadline(
+        "next event",
+        client.query_one(
+            "SELECT outbox_enqueue('order', '42', 'order.shipped', '{}'::jsonb)",
+            &[],
+        ),
+    )
+    .await
+    .unwrap();
+    let seqs: Vec<i64> = with_deadline(
+        "seqs",
+        client.query(
+            "SELECT seq FROM outbox_events WHERE aggregate_type = 'order' ORDER BY seq",
+            &[],
+        ),
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect();
+    assert_eq!(seqs, vec![1, 2], "no number is left without an event");
 }
 
 /// How many rows `outbox_events` has.

@@ -292,8 +292,8 @@ async fn a_small_claim_only_probes_indexes() {
     let claim = "SELECT count(*) FROM outbox_claim('r', 0, 500, 64, false, 1048576, 1048576);\n";
     let plans = explained(&db, &claim.repeat(2)).await;
     assert!(
-        plans.contains("Index Scan using outbox_key_seq_pkey"),
-        "the key rows are probed: {plans}"
+        plans.contains("using outbox_events_pending_key on outbox_events"),
+        "each key's rows are probed by key: {plans}"
     );
     for refused in [
         "Seq Scan on outbox_events",
@@ -370,7 +370,8 @@ async fn claims_and_marks_probe_rows_when_statistics_say_none_are_pending() {
     let plans = explained(&db, &script).await;
     let marked: i64 = client
         .query_one(
-            "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NOT NULL AND seq IS NOT NULL",
+            // (The 400 rows inserted as dispatched above are numbered too, at insert.)
+            "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NOT NULL AND id > 400",
             &[],
         )
         .await
@@ -495,4 +496,229 @@ async fn migration_0017_keeps_the_grants_of_what_it_replaces() {
     );
     assert!(!may("public", enqueue).await, "PUBLIC stays without");
     assert!(!may("public", claim).await, "PUBLIC stays without");
+}
+
+/// An upgrade to numbering at insert (0015) over a table with pending rows, while a relay
+/// of the previous version runs: rows it numbered and holds keep their numbers (its marks
+/// write the same ones), rows nobody numbered yet get their key's next numbers, and from
+/// then on both that relay (calling the same `outbox_claim`) and a new relay publish every
+/// key's rows with one seq per event and one event per seq.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_keeps_every_number_while_the_previous_relay_runs() {
+    let (name, target) = empty_db().await;
+    let schema = Schema::default();
+    let client = target.connect(&schema, "m").await.unwrap();
+    let apply = |m: &'static outbox_kit::schema::Migration| {
+        let client = &client;
+        async move {
+            client
+                .batch_execute(&format!("BEGIN; {} COMMIT;", m.sql))
+                .await
+                .unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        }
+    };
+    let (before, after): (Vec<_>, Vec<_>) = outbox_kit::schema::MIGRATIONS
+        .iter()
+        .partition(|m| m.version < 15);
+    for m in before {
+        apply(m).await;
+    }
+    let insert = |key: &'static str, n: i32| {
+        let client = &client;
+        async move {
+            client
+                .execute(
+                    "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                     SELECT 'acct', $1, 'e' || g, '{}' FROM generate_series(1, $2) g",
+                    &[&key, &n],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    // The previous relay, 'old', holds every partition; its claim numbers what it returns.
+    client
+        .batch_execute(
+            "UPDATE outbox_partitions SET owner = 'old', lease_until = now() + interval '1 hour'",
+        )
+        .await
+        .unwrap();
+    // Keys in partitions other than the one 'old' keeps after the upgrade.
+    let kept: i32 = client
+        .query_one("SELECT outbox_partition_of('acct', 'old')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut others = Vec::new();
+    for i in 0.. {
+        let key = format!("n{i}");
+        let p: i32 = client
+            .query_one("SELECT outbox_partition_of('acct', $1)", &[&key])
+            .await
+            .unwrap()
+            .get(0);
+        if p != kept {
+            others.push(key);
+        }
+        if others.len() == 3 {
+            break;
+        }
+    }
+    let others: Vec<&'static str> = others
+        .into_iter()
+        .map(|k| &*Box::leak(k.into_boxed_str()))
+        .collect();
+    let (n1, n2, n3) = (others[0], others[1], others[2]);
+    insert("old", 3).await;
+    insert(n1, 3).await;
+    insert(n2, 3).await;
+    // (id, seq) of what a claim by 'old' returns, holding `held`: the previous relay's call.
+    let old_claim = |held: Vec<i64>| {
+        let client = &client;
+        async move {
+            client
+                .query(
+                    "SELECT id, seq, aggregate_id FROM outbox_claim('old', 0, 100, 100, false,
+                            1048576, 4194304, '{}', '{}', NULL, $1)
+                      WHERE id IS NOT NULL ORDER BY aggregate_id, seq",
+                    &[&held],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    (
+                        r.get::<_, i64>(0),
+                        r.get::<_, i64>(1),
+                        r.get::<_, String>(2),
+                    )
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    // The previous version's mark, as that relay sends it.
+    let old_mark = |rows: Vec<(i64, i64, String)>| {
+        let client = &client;
+        async move {
+            let (ids, seqs): (Vec<i64>, Vec<i64>) = rows.iter().map(|r| (r.0, r.1)).unzip();
+            client
+                .execute(
+                    "UPDATE outbox_events e SET dispatched_at = now(), seq = m.seq
+                       FROM unnest($1::bigint[], $2::bigint[]) AS m(id, seq),
+                            (SELECT set_config('synchronous_commit', 'off', true)) AS async
+                      WHERE e.id = m.id AND coalesce(e.dispatched_at, e.parked_at) IS NULL",
+                    &[&ids, &seqs],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    let first = old_claim(vec![]).await;
+    assert_eq!(first.len(), 9, "{first:?}");
+    // It published and marked n1's first row; the rest it holds, in flight.
+    let (done, held): (Vec<_>, Vec<_>) = first.into_iter().partition(|r| r.2 == n1 && r.1 == 1);
+    old_mark(done).await;
+    // Rows committed after that claim: nobody numbered them.
+    insert("old", 2).await;
+    insert(n1, 1).await;
+    insert(n3, 2).await;
+
+    for m in after {
+        apply(m).await;
+    }
+
+    // The previous relay keeps the partition of key 'old' and gives up the others (a lease
+    // round); a new relay takes those over and publishes what is pending there, including
+    // the rows 'old' held and never marked.
+    client
+        .execute(
+            "UPDATE outbox_partitions SET owner = NULL, lease_until = '-infinity', epoch = epoch + 1
+              WHERE partition <> $1",
+            &[&kept],
+        )
+        .await
+        .unwrap();
+    let db = TestDb {
+        name,
+        target: target.clone(),
+        schema: schema.clone(),
+    };
+    let broker = Broker::new("#").await;
+    let relay = InProcessRelay::start(&db, test_config(&broker));
+    insert(n1, 1).await;
+
+    // The previous relay goes on with its key: its held rows are left out, the others come
+    // numbered after them; it marks them all with the numbers it was given.
+    let held_old: Vec<_> = held.iter().filter(|r| r.2 == "old").cloned().collect();
+    let next = old_claim(held_old.iter().map(|r| r.0).collect()).await;
+    assert_eq!(
+        next.iter().map(|r| r.1).collect::<Vec<_>>(),
+        [4, 5],
+        "the key's unnumbered rows, after the held ones"
+    );
+    old_mark(held_old.clone()).await;
+    old_mark(next).await;
+    insert("old", 1).await;
+    let last = old_claim(vec![]).await;
+    assert_eq!(last.iter().map(|r| r.1).collect::<Vec<_>>(), [6]);
+    old_mark(last).await;
+
+    // The new relay published the other keys' pending rows: 2 + 1 + 1 of n1, 3 of n2, 2 of n3.
+    broker.wait_count(9, Duration::from_secs(30)).await;
+    let pending_ids: Vec<uuid::Uuid> = client
+        .query(
+            "SELECT event_id FROM outbox_events WHERE aggregate_id <> 'old' AND NOT (aggregate_id = $1 AND seq = 1)",
+            &[&n1],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    crate::support::wait_for("every row marked", Duration::from_secs(20), || async {
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_events WHERE dispatched_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (n == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    check(&pending_ids, &broker.received()).assert_clean();
+    for r in broker.received() {
+        let (_, key) = r.key();
+        let seq = r.seq().unwrap();
+        let stored: i64 = client
+            .query_one(
+                "SELECT seq FROM outbox_events WHERE event_id = $1",
+                &[&r.message_id.parse::<uuid::Uuid>().unwrap()],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(seq, stored, "{key}: published with the stored number");
+    }
+    // Per key: 1..n, one seq per event, one event per seq, in id order (the order the
+    // rows were numbered in, by the old claim, the upgrade or the INSERT).
+    let keys = client
+        .query(
+            "SELECT aggregate_id, array_agg(seq ORDER BY id)::text FROM outbox_events
+              GROUP BY aggregate_id ORDER BY aggregate_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let got: Vec<(String, String)> = keys.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let mut want = vec![
+        (n1.to_owned(), "{1,2,3,4,5}".to_owned()),
+        (n2.to_owned(), "{1,2,3}".to_owned()),
+        (n3.to_owned(), "{1,2}".to_owned()),
+        ("old".to_owned(), "{1,2,3,4,5,6}".to_owned()),
+    ];
+    want.sort();
+    assert_eq!(got, want);
 }

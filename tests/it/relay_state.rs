@@ -212,3 +212,145 @@ async fn statements_stop_on_the_server_before_the_client_gives_up() {
         .get(0);
     assert_eq!(shown, "7s");
 }
+
+/// On the steady path a claim only reads: it takes no transaction id (so it writes nothing
+/// and its commit flushes no WAL), and the rows come back with the numbers their INSERTs
+/// took. A scheduled row is numbered once due, after the key's rows numbered before then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_only_reads_and_rows_are_numbered_at_insert() {
+    let db = TestDb::new().await;
+    let mut client = db.client().await;
+    lease_all(&client, "r").await;
+    insert(&client, "a1", 2).await;
+    client
+        .execute(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, available_at)
+             VALUES ('acct', 'a1', 'later', '{}', now() + interval '1 hour')",
+            &[],
+        )
+        .await
+        .unwrap();
+    insert(&client, "a1", 1).await;
+    let stored: Vec<Option<i64>> = client
+        .query("SELECT seq FROM outbox_events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        stored,
+        [Some(1), Some(2), None, Some(3)],
+        "numbered at insert"
+    );
+
+    let tx = client.transaction().await.unwrap();
+    let rows: Vec<i64> = tx
+        .query(
+            "SELECT seq FROM outbox_claim('r', 0, 10, 10, true, 1048576, 1048576)
+              WHERE id IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(rows, [1, 2, 3]);
+    let xid: Option<String> = tx
+        .query_one("SELECT pg_current_xact_id_if_assigned()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(xid, None, "the claim wrote nothing");
+    tx.commit().await.unwrap();
+
+    // Due now: the claim numbers it (the slow path, a write) after the key's others.
+    client
+        .execute(
+            "UPDATE outbox_events SET available_at = now() WHERE event_type = 'later'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let seqs: Vec<i64> = claim(&client, "r").await.iter().map(|r| r.1).collect();
+    assert_eq!(seqs, [1, 2, 3, 4]);
+}
+
+/// A key's producers take its numbers one after another until commit: a second INSERT of
+/// the key waits for the first transaction, and a rollback gives its number back, so the
+/// numbers committed are 1, 2, ... in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_producers_take_numbers_in_commit_order() {
+    let db = TestDb::new().await;
+    let mut first = db.client().await;
+    let second = db.client().await;
+    let tx = first.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('acct', 'a1', 'rolled_back', '{}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let waiting = tokio::spawn(async move {
+        second
+            .query_one(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('acct', 'a1', 'kept', '{}') RETURNING seq",
+                &[],
+            )
+            .await
+            .map(|r| r.get::<_, i64>(0))
+    });
+    // The second INSERT waits on the key's counter row, held by the first transaction.
+    let observer = db.client().await;
+    crate::support::wait_for(
+        "the second producer waiting for the key",
+        std::time::Duration::from_secs(10),
+        || async {
+            let n: i64 = observer
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n > 0).then_some(())
+        },
+    )
+    .await;
+    assert!(!waiting.is_finished());
+    tx.rollback().await.unwrap();
+    let seq = tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
+        .await
+        .expect("the second producer goes on after the rollback")
+        .unwrap()
+        .unwrap();
+    assert_eq!(seq, 1, "the rolled-back number is taken again");
+}
+
+/// An INSERT skipped by `ON CONFLICT (event_id) DO NOTHING` (a producer passing its own
+/// event id a second time) takes no number: the key's next event gets the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipped_insert_leaves_no_gap() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let insert =
+        "INSERT INTO outbox_events (event_id, aggregate_type, aggregate_id, event_type, payload)
+                  VALUES ($1, 'acct', 'a1', 'e', '{}') ON CONFLICT (event_id) DO NOTHING";
+    let twice = uuid::Uuid::from_u128(1);
+    for id in [twice, twice, uuid::Uuid::from_u128(2)] {
+        client.execute(insert, &[&id]).await.unwrap();
+    }
+    let seqs: Vec<i64> = client
+        .query("SELECT seq FROM outbox_events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(seqs, [1, 2]);
+}
