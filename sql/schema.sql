@@ -110,20 +110,16 @@ CREATE FUNCTION public.outbox_claim(p_relay text, p_after bigint, p_limit intege
     AS $$
 #variable_conflict use_column
 DECLARE
-    v_owned   integer[];
-    v_all     boolean;
-    v_scanned_to bigint;
-    v_scanned integer;
-    v_types   text[];
-    v_ids     text[];
-    v_firsts  bigint[];
-    v_per_key integer;
-    v_picked  bigint[];
-    v_seqs    bigint[];
-    v_cut     bigint;
-    v_check   boolean := current_setting('server_encoding') = 'SQL_ASCII';
+    v_owned    integer[];
+    v_types    text[] := p_key_types;
+    v_ids      text[] := p_key_ids;
+    v_keys     record;
+    v_pick     record;
+    v_per_key  integer;
     v_next_due double precision;
 BEGIN
+    -- A takeover (outbox_lease) takes this lock exclusively: the partitions read here stay
+    -- this relay's until the claim ends.
     PERFORM pg_advisory_xact_lock_shared(outbox_claim_lock_key());
 
     SELECT array_agg(p.partition) INTO v_owned
@@ -135,208 +131,30 @@ BEGIN
                             NULL::integer, p_after, 0, 0, NULL::float8, NULL::text;
         RETURN;
     END IF;
-    v_all := cardinality(v_owned) = 64;
 
-    -- Keys to look at: those the relay named and those of scheduled rows now due (first),
-    -- then those of the candidate rows in order of their oldest candidate. Candidates are
-    -- rows that were due when inserted (outbox_events_pending, by id from the cursor);
-    -- scheduled rows are read from outbox_events_scheduled only once due, so rows not yet
-    -- due cost nothing here however many there are.
-    -- A small claim (a relay keeping up with a trickle: a few keys, few rows in flight)
-    -- runs its statements on plans made once per connection instead of planning them on
-    -- every call: planning the scan below alone took 1.2 ms, most of an empty claim. Those
-    -- plans are made without the call's values, so they are held to index scans and nested
-    -- loops: what a few keys need whatever the tables' sizes, and never a scan of a whole
-    -- table (a cached plan outlives the table size it was made for; see 0005). Whether the
-    -- claim is small is known for sure only after the scan (how many keys it found); the
-    -- scan reads at most p_limit rows by index in any plan, so it runs on the cached plan
-    -- whenever the keys named and the rows held are few.
-    IF cardinality(p_key_types) <= 32 AND cardinality(p_held) <= 256 THEN
-        PERFORM set_config('plan_cache_mode', 'force_generic_plan', true),
-                set_config('enable_seqscan', 'off', true),
-                set_config('enable_bitmapscan', 'off', true),
-                set_config('enable_hashjoin', 'off', true),
-                set_config('enable_mergejoin', 'off', true);
+    IF p_before IS NULL THEN
+        SELECT v_types || coalesce(array_agg(d.aggregate_type), '{}'),
+               v_ids || coalesce(array_agg(d.aggregate_id), '{}')
+          INTO v_types, v_ids
+          FROM outbox_number_due(v_owned, p_limit) d;
     END IF;
 
-    WITH cand AS (
-        SELECT e.id, e.aggregate_type, e.aggregate_id
-          FROM outbox_events e
-         WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
-           AND e.available_at <= e.created_at
-           AND e.available_at <= now()
-           AND e.id > p_after
-           AND (p_before IS NULL OR e.id <= p_before)
-           AND NOT (e.id = ANY (p_held))
-           AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (v_owned))
-         ORDER BY e.id
-         LIMIT p_limit
-    ), due AS (
-        -- Scheduled rows that are due, earliest first, for forward claims only (a sweep
-        -- reads below the cursor, and these are not read by cursor at all), for at most
-        -- half the claim. Keys that stay blocked are left out here, so they cannot fill
-        -- this half claim after claim and hold back the rows due after them.
-        SELECT e.aggregate_type, e.aggregate_id
-          FROM outbox_events e
-         WHERE p_before IS NULL
-           AND e.dispatched_at IS NULL AND e.parked_at IS NULL
-           AND e.available_at > e.created_at
-           AND e.available_at <= now()
-           AND NOT (e.id = ANY (p_held))
-           AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (v_owned))
-           AND NOT EXISTS (SELECT 1 FROM outbox_events x
-                            WHERE p_block_parked_keys
-                              AND x.aggregate_type = e.aggregate_type
-                              AND x.aggregate_id = e.aggregate_id
-                              AND x.parked_at IS NOT NULL)
-         ORDER BY e.available_at, e.id
-         LIMIT greatest(p_limit / 2, 1)
-    ), named AS (
-        -- Keys named and keys with due scheduled rows are looked at whatever the cursor:
-        -- first_id 0, so they never stop it.
-        SELECT n.aggregate_type, n.aggregate_id, 0::bigint AS first_id
-          FROM unnest(p_key_types, p_key_ids) AS n(aggregate_type, aggregate_id)
-         WHERE v_all OR outbox_partition_of(n.aggregate_type, n.aggregate_id) = ANY (v_owned)
-        UNION ALL
-        SELECT d.aggregate_type, d.aggregate_id, 0::bigint FROM due d
-    ), keys AS (
-        SELECT u.aggregate_type, u.aggregate_id, min(u.first_id) AS first_id
-          FROM (SELECT c.aggregate_type, c.aggregate_id, c.id AS first_id FROM cand c
-                UNION ALL
-                SELECT * FROM named) u
-         GROUP BY u.aggregate_type, u.aggregate_id
-    )
-    SELECT (SELECT max(c.id) FROM cand c),
-           (SELECT count(*) FROM cand c),
-           array_agg(k.aggregate_type ORDER BY k.first_id),
-           array_agg(k.aggregate_id ORDER BY k.first_id),
-           array_agg(k.first_id ORDER BY k.first_id)
-      INTO v_scanned_to, v_scanned, v_types, v_ids, v_firsts
-      FROM keys k
-     WHERE NOT EXISTS (SELECT 1 FROM outbox_events x
-                        WHERE p_block_parked_keys
-                          AND x.aggregate_type = k.aggregate_type
-                          AND x.aggregate_id = k.aggregate_id
-                          AND x.parked_at IS NOT NULL);
-
-    IF v_scanned >= least(p_limit, 256) THEN
-        PERFORM outbox_refresh_statistics(v_scanned);  -- see "Statistics" at the top
-    END IF;
-
-    -- The scan found many keys (a backlog): the numbering is planned with this call's
-    -- values, as before.
-    IF coalesce(cardinality(v_types), 0) > 32 OR cardinality(p_held) > 256 THEN
-        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true),
-                set_config('enable_seqscan', 'on', true),
-                set_config('enable_bitmapscan', 'on', true),
-                set_config('enable_hashjoin', 'on', true),
-                set_config('enable_mergejoin', 'on', true);
+    SELECT * INTO v_keys
+      FROM outbox_claim_keys(v_owned, p_after, p_before, p_limit, p_block_parked_keys,
+                             v_types, v_ids, p_held);
+    IF v_keys.scanned >= least(p_limit, 256) THEN
+        PERFORM outbox_refresh_statistics(v_keys.scanned);  -- see "Statistics" in 0007
     END IF;
 
     -- Spread p_limit over the keys waiting: shallow prefixes for many keys, deep for few.
-    v_per_key := greatest(1, least(p_per_key, ceil(p_limit::numeric / greatest(coalesce(cardinality(v_types), 0), 1))::integer));
-
-    -- Each key's prefix, keys in order: its numbered rows still pending and not held (by
-    -- seq), then its new rows (by id). Keys that do not fit in p_limit rows are left for
-    -- the next claim: the cursor stops before the first candidate of the first such key.
-    -- New rows get the key's next numbers in the same statement.
-    WITH k AS (
-        SELECT k.aggregate_type, k.aggregate_id, k.first_id, k.ord, s.last_seq,
-               coalesce(s.numbered_ids, '{}') AS ids, coalesce(s.numbered_seqs, '{}') AS seqs
-          FROM unnest(v_types, v_ids, v_firsts) WITH ORDINALITY AS k(aggregate_type, aggregate_id, first_id, ord)
-          LEFT JOIN outbox_key_seq s
-            ON s.aggregate_type = k.aggregate_type AND s.aggregate_id = k.aggregate_id
-    ), live AS (
-        -- The keys' numbered rows that are still pending: those the relay holds (it holds
-        -- a row until its final write committed) and those the table says are pending.
-        -- (Pending written as coalesce(...) IS NULL: the partial indexes cannot serve it,
-        -- so each entry is probed by primary key; see "Statistics" at the top.)
-        SELECT k.ord, u.id, u.seq, u.o, u.id = ANY (p_held) AS held
-          FROM k
-         CROSS JOIN LATERAL unnest(k.ids, k.seqs) WITH ORDINALITY AS u(id, seq, o)
-         WHERE u.id = ANY (p_held)
-            OR EXISTS (SELECT 1 FROM outbox_events e
-                        WHERE e.id = u.id AND coalesce(e.dispatched_at, e.parked_at) IS NULL)
-    ), q AS (
-        SELECT k.ord, k.first_id, l.id, l.seq
-          FROM live l JOIN k ON k.ord = l.ord
-         WHERE NOT l.held
-        UNION ALL
-        SELECT k.ord, k.first_id, x.id, NULL::bigint
-          FROM k
-         CROSS JOIN LATERAL (
-               SELECT e.id
-                 FROM outbox_events e
-                WHERE e.aggregate_type = k.aggregate_type
-                  AND e.aggregate_id = k.aggregate_id
-                  AND e.dispatched_at IS NULL AND e.parked_at IS NULL
-                  AND e.available_at <= now()
-                  AND NOT (e.id = ANY (p_held))
-                  AND NOT (e.id = ANY (k.ids))
-                ORDER BY e.seq NULLS LAST, e.id
-                LIMIT v_per_key) x
-    ), r AS (
-        SELECT q.*, row_number() OVER (PARTITION BY q.ord ORDER BY q.seq NULLS LAST, q.id) AS rk
-          FROM q
-    ), n AS (
-        SELECT r.*, row_number() OVER (ORDER BY r.ord, r.rk) AS n FROM r WHERE r.rk <= v_per_key
-    ), picked AS (
-        SELECT * FROM n WHERE n.n <= p_limit
-    ), plan AS (
-        -- Per key with new rows picked: its row as this statement's snapshot saw it, the
-        -- entries to keep (rows still pending) and the new rows, in order.
-        SELECT k.ord, k.aggregate_type, k.aggregate_id, k.last_seq, k.ids,
-               coalesce(l.ids, '{}') AS live_ids, coalesce(l.seqs, '{}') AS live_seqs, f.ids AS fresh
-          FROM (SELECT p.ord, array_agg(p.id ORDER BY p.rk) AS ids
-                  FROM picked p WHERE p.seq IS NULL GROUP BY p.ord) f
-          JOIN k ON k.ord = f.ord
-          LEFT JOIN (SELECT l.ord, array_agg(l.id ORDER BY l.o) AS ids, array_agg(l.seq ORDER BY l.o) AS seqs
-                       FROM live l GROUP BY l.ord) l ON l.ord = f.ord
-    ), updated AS (
-        -- Only if the key's row is as the snapshot saw it (an operator's re-drive or a
-        -- blocked key's rewind may have changed it meanwhile; then its new rows wait for
-        -- the next claim).
-        UPDATE outbox_key_seq s
-           SET last_seq = s.last_seq + cardinality(p.fresh),
-               numbered_ids = p.live_ids || p.fresh,
-               numbered_seqs = p.live_seqs
-                               || ARRAY(SELECT s.last_seq + g FROM generate_series(1, cardinality(p.fresh)) AS g)
-          FROM plan p
-         WHERE p.last_seq IS NOT NULL
-           AND s.aggregate_type = p.aggregate_type AND s.aggregate_id = p.aggregate_id
-           AND s.last_seq = p.last_seq AND s.numbered_ids = p.ids
-        RETURNING s.aggregate_type, s.aggregate_id
-    ), inserted AS (
-        INSERT INTO outbox_key_seq AS s (aggregate_type, aggregate_id, last_seq, numbered_ids, numbered_seqs)
-        SELECT p.aggregate_type, p.aggregate_id, cardinality(p.fresh), p.fresh,
-               ARRAY(SELECT generate_series(1, cardinality(p.fresh))::bigint)
-          FROM plan p
-         WHERE p.last_seq IS NULL
-        ON CONFLICT (aggregate_type, aggregate_id) DO NOTHING
-        RETURNING s.aggregate_type, s.aggregate_id
-    ), numbered AS (
-        SELECT p.ord, p.fresh, coalesce(p.last_seq, 0) AS base
-          FROM plan p
-          JOIN (SELECT * FROM updated UNION ALL SELECT * FROM inserted) b
-            ON b.aggregate_type = p.aggregate_type AND b.aggregate_id = p.aggregate_id
-    )
-    -- A key whose new rows were not numbered stops the cursor like a key that did not fit.
-    SELECT array_agg(p.id ORDER BY p.n) FILTER (WHERE p.seq IS NOT NULL OR nb.ord IS NOT NULL),
-           array_agg(coalesce(p.seq, nb.base + array_position(nb.fresh, p.id)) ORDER BY p.n)
-               FILTER (WHERE p.seq IS NOT NULL OR nb.ord IS NOT NULL),
-           least((SELECT min(x.first_id) FROM n x WHERE x.n > p_limit AND x.first_id > 0),
-                 min(p.first_id) FILTER (WHERE p.seq IS NULL AND nb.ord IS NULL AND p.first_id > 0))
-      INTO v_picked, v_seqs, v_cut
-      FROM picked p
-      LEFT JOIN numbered nb ON nb.ord = p.ord;
-    IF v_cut IS NOT NULL THEN
-        v_scanned_to := v_cut - 1;
-    END IF;
+    v_per_key := greatest(1, least(p_per_key,
+        ceil(p_limit::numeric / greatest(coalesce(cardinality(v_keys.key_types), 0), 1))::integer));
+    SELECT * INTO v_pick
+      FROM outbox_claim_pick(v_keys.key_types, v_keys.key_ids, v_keys.first_ids, v_per_key,
+                             p_limit, p_held);
 
     -- When the earliest scheduled row not yet due becomes due (seconds from now), so that
-    -- the relay claims then instead of at its next poll. Forward claims only; the first
-    -- entry past now() of outbox_events_scheduled (another relay's row wakes this one for
-    -- nothing, which costs one claim).
+    -- the relay claims then instead of at its next poll. Forward claims only.
     IF p_before IS NULL THEN
         SELECT extract(epoch FROM min(e.available_at) - now())::float8 INTO v_next_due
           FROM outbox_events e
@@ -347,9 +165,155 @@ BEGIN
 
     RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL, NULL, NULL, NULL, NULL, NULL::integer,
                         NULL, NULL, NULL, NULL::float8, NULL, NULL::integer, NULL::bigint,
-                        NULL::integer, coalesce(v_scanned_to, p_after), coalesce(v_scanned, 0), v_per_key,
-                        v_next_due, NULL::text;
+                        NULL::integer,
+                        coalesce(v_pick.cut - 1, v_keys.scanned_to, p_after),
+                        coalesce(v_keys.scanned, 0), v_per_key, v_next_due, NULL::text;
+    RETURN QUERY
+    SELECT r.id, r.event_id, r.aggregate_type, r.aggregate_id, r.event_type, r.routing_key,
+           r.body, r.body_bytes, r.headers, r.traceparent, r.tracestate, r.created_epoch,
+           r.created_text, r.attempts, r.seq, r.partition,
+           NULL::bigint, NULL::integer, NULL::integer, NULL::float8, r.unreadable
+      FROM outbox_claim_rows(v_pick.ids, p_max_message_bytes, p_max_bytes) r;
+END
+$$;
 
+--
+-- Name: outbox_claim_keys(integer[], bigint, bigint, integer, boolean, text[], text[], bigint[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_claim_keys(p_owned integer[], p_after bigint, p_before bigint, p_limit integer, p_block_parked_keys boolean, p_key_types text[], p_key_ids text[], p_held bigint[], OUT scanned_to bigint, OUT scanned integer, OUT key_types text[], OUT key_ids text[], OUT first_ids bigint[]) RETURNS record
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'public'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_all boolean := cardinality(p_owned) = 64;
+BEGIN
+    WITH cand AS (
+        SELECT e.id, e.aggregate_type, e.aggregate_id
+          FROM outbox_events e
+         WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at <= e.created_at
+           AND e.id > p_after
+           AND (p_before IS NULL OR e.id <= p_before)
+           AND NOT (e.id = ANY (p_held))
+           AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (p_owned))
+         ORDER BY e.id
+         LIMIT p_limit
+    ), due AS (
+        -- Scheduled rows that are due, earliest first, for forward claims only, for at
+        -- most half the claim; keys that stay blocked are left out here, so they cannot
+        -- fill this half claim after claim.
+        SELECT e.aggregate_type, e.aggregate_id
+          FROM outbox_events e
+         WHERE p_before IS NULL
+           AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at > e.created_at
+           AND e.available_at <= now()
+           AND NOT (e.id = ANY (p_held))
+           AND (v_all OR outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (p_owned))
+           AND NOT EXISTS (SELECT 1 FROM outbox_events x
+                            WHERE p_block_parked_keys
+                              AND x.aggregate_type = e.aggregate_type
+                              AND x.aggregate_id = e.aggregate_id
+                              AND x.parked_at IS NOT NULL)
+         ORDER BY e.available_at, e.id
+         LIMIT greatest(p_limit / 2, 1)
+    ), keys AS (
+        SELECT u.aggregate_type, u.aggregate_id, min(u.first_id) AS first_id
+          FROM (SELECT c.aggregate_type, c.aggregate_id, c.id AS first_id FROM cand c
+                UNION ALL
+                SELECT n.aggregate_type, n.aggregate_id, 0::bigint
+                  FROM unnest(p_key_types, p_key_ids) AS n(aggregate_type, aggregate_id)
+                 WHERE v_all OR outbox_partition_of(n.aggregate_type, n.aggregate_id) = ANY (p_owned)
+                UNION ALL
+                SELECT d.aggregate_type, d.aggregate_id, 0::bigint FROM due d) u
+         GROUP BY u.aggregate_type, u.aggregate_id
+    )
+    SELECT (SELECT max(c.id) FROM cand c),
+           (SELECT count(*) FROM cand c),
+           array_agg(k.aggregate_type ORDER BY k.first_id),
+           array_agg(k.aggregate_id ORDER BY k.first_id),
+           array_agg(k.first_id ORDER BY k.first_id)
+      INTO scanned_to, scanned, key_types, key_ids, first_ids
+      FROM keys k
+     WHERE NOT EXISTS (SELECT 1 FROM outbox_events x
+                        WHERE p_block_parked_keys
+                          AND x.aggregate_type = k.aggregate_type
+                          AND x.aggregate_id = k.aggregate_id
+                          AND x.parked_at IS NOT NULL);
+END
+$$;
+
+--
+-- Name: outbox_claim_lock_key(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_claim_lock_key() RETURNS bigint
+    LANGUAGE sql STABLE
+    SET search_path TO 'public'
+    AS $$ SELECT hashtextextended('outbox-relay:claim:' || current_schema(), 0) $$;
+
+--
+-- Name: outbox_claim_pick(text[], text[], bigint[], integer, integer, bigint[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_claim_pick(p_key_types text[], p_key_ids text[], p_first_ids bigint[], p_per_key integer, p_limit integer, p_held bigint[], OUT ids bigint[], OUT cut bigint) RETURNS record
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'public'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    AS $$
+#variable_conflict use_column
+BEGIN
+    WITH q AS (
+        SELECT k.ord, k.first_id, x.id, x.seq
+          FROM unnest(p_key_types, p_key_ids, p_first_ids) WITH ORDINALITY AS k(aggregate_type, aggregate_id, first_id, ord)
+         CROSS JOIN LATERAL (
+               SELECT e.id, e.seq
+                 FROM outbox_events e
+                WHERE e.aggregate_type = k.aggregate_type
+                  AND e.aggregate_id = k.aggregate_id
+                  AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+                  AND e.seq IS NOT NULL
+                  AND NOT (e.id = ANY (p_held))
+                ORDER BY e.seq
+                LIMIT p_per_key) x
+    ), n AS (
+        SELECT q.*, row_number() OVER (ORDER BY q.ord, q.seq) AS n FROM q
+    )
+    SELECT array_agg(n.id ORDER BY n.n) FILTER (WHERE n.n <= p_limit),
+           min(n.first_id) FILTER (WHERE n.n > p_limit AND n.first_id > 0)
+      INTO ids, cut
+      FROM n;
+END
+$$;
+
+--
+-- Name: outbox_claim_rows(bigint[], integer, bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_claim_rows(p_ids bigint[], p_max_message_bytes integer, p_max_bytes bigint) RETURNS TABLE(id bigint, event_id uuid, aggregate_type text, aggregate_id text, event_type text, routing_key text, body text, body_bytes integer, headers text, traceparent text, tracestate text, created_epoch double precision, created_text text, attempts integer, seq bigint, partition integer, unreadable text)
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'public'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_check boolean := current_setting('server_encoding') = 'SQL_ASCII';
+BEGIN
     RETURN QUERY
     WITH r AS MATERIALIZED (
         SELECT e.id, e.event_id, e.aggregate_type, e.aggregate_id, e.event_type,
@@ -357,13 +321,12 @@ BEGIN
                e.payload::text AS body, e.headers::text AS headers, e.traceparent, e.tracestate,
                extract(epoch FROM e.created_at)::float8 AS created_epoch,
                to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_text,
-               e.attempts, p.seq,
+               e.attempts, e.seq,
                outbox_partition_of(e.aggregate_type, e.aggregate_id) AS partition,
                p.ord
-          FROM unnest(v_picked, v_seqs) WITH ORDINALITY AS p(id, seq, ord)
+          FROM unnest(p_ids) WITH ORDINALITY AS p(id, ord)
           JOIN outbox_events e ON e.id = p.id
     ), checked AS (
-        -- In a SQL_ASCII database: the columns whose text is not UTF-8.
         SELECT r.*,
                CASE WHEN v_check THEN
                    nullif(concat_ws(', ',
@@ -378,19 +341,13 @@ BEGIN
                END AS bad
           FROM r
     ), measured AS (
-        -- The message's size as published: body, user headers, trace context and the
-        -- text that becomes properties and headers (key, type, routing key).
         SELECT r.*,
                octet_length(r.aggregate_type) + octet_length(r.aggregate_id)
                  + octet_length(r.event_type) + octet_length(r.routing_key) AS key_bytes,
-               octet_length(r.body) + octet_length(r.headers)
-                 + coalesce(octet_length(r.traceparent), 0) + coalesce(octet_length(r.tracestate), 0)
-                 + octet_length(r.aggregate_type) + octet_length(r.aggregate_id)
-                 + octet_length(r.event_type) + octet_length(r.routing_key) AS message_bytes
+               outbox_message_bytes(r.aggregate_type, r.aggregate_id, r.event_type, r.routing_key,
+                                    r.body, r.headers, r.traceparent, r.tracestate) AS message_bytes
           FROM checked r
     ), sized AS (
-        -- What the relay will hold of each row: an oversized or unreadable one comes back
-        -- without body, headers or trace context (it is parked, never published).
         SELECT m.*, m.message_bytes > p_max_message_bytes OR m.bad IS NOT NULL AS oversized,
                sum(CASE WHEN m.message_bytes > p_max_message_bytes OR m.bad IS NOT NULL THEN m.key_bytes
                         ELSE m.message_bytes END) OVER (ORDER BY m.ord) AS running
@@ -406,23 +363,13 @@ BEGIN
            CASE WHEN s.oversized THEN NULL ELSE s.headers END,
            CASE WHEN s.oversized THEN NULL ELSE s.traceparent END,
            CASE WHEN s.oversized THEN NULL ELSE s.tracestate END,
-           s.created_epoch, s.created_text,
-           s.attempts, s.seq, s.partition, NULL::bigint, NULL::integer, NULL::integer, NULL::float8,
+           s.created_epoch, s.created_text, s.attempts, s.seq, s.partition,
            CASE WHEN s.bad IS NOT NULL THEN 'unreadable row: ' || s.bad || ' not valid UTF-8' END
       FROM sized s
      WHERE s.ord = 1 OR s.running <= p_max_bytes
      ORDER BY s.ord;
 END
 $$;
-
---
--- Name: outbox_claim_lock_key(); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.outbox_claim_lock_key() RETURNS bigint
-    LANGUAGE sql STABLE
-    SET search_path TO 'public'
-    AS $$ SELECT hashtextextended('outbox-relay:claim:' || current_schema(), 0) $$;
 
 --
 -- Name: outbox_consumer_prune(timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
@@ -1302,6 +1249,107 @@ CREATE FUNCTION public.outbox_leave(p_relay text) RETURNS void
 $$;
 
 --
+-- Name: outbox_message_bytes(text, text, text, text, text, text, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_message_bytes(aggregate_type text, aggregate_id text, event_type text, routing_key text, body text, headers text, traceparent text, tracestate text) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$
+    SELECT octet_length(body) + octet_length(headers)
+           + coalesce(octet_length(traceparent), 0) + coalesce(octet_length(tracestate), 0)
+           + octet_length(aggregate_type) + octet_length(aggregate_id)
+           + octet_length(event_type) + octet_length(routing_key)
+$$;
+
+--
+-- Name: outbox_number_due(integer[], integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_number_due(p_owned integer[], p_limit integer) RETURNS TABLE(aggregate_type text, aggregate_id text)
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    r     record;
+    v_seq bigint;
+BEGIN
+    FOR r IN
+        SELECT e.id, e.aggregate_type AS t, e.aggregate_id AS i
+          FROM outbox_events e
+         WHERE e.seq IS NULL AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at <= now()
+           AND outbox_partition_of(e.aggregate_type, e.aggregate_id) = ANY (p_owned)
+         ORDER BY e.available_at, e.id
+         LIMIT p_limit
+    LOOP
+        SELECT k.last_seq INTO v_seq FROM outbox_key_seq k
+         WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i
+           FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            CONTINUE WHEN EXISTS (SELECT 1 FROM outbox_key_seq k
+                                   WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i);
+            INSERT INTO outbox_key_seq (aggregate_type, aggregate_id, last_seq)
+            VALUES (r.t, r.i, 0)
+            ON CONFLICT DO NOTHING
+            RETURNING last_seq INTO v_seq;
+            CONTINUE WHEN v_seq IS NULL;
+        END IF;
+        UPDATE outbox_events e SET seq = v_seq + 1
+         WHERE e.id = r.id AND e.seq IS NULL AND e.dispatched_at IS NULL AND e.parked_at IS NULL;
+        CONTINUE WHEN NOT FOUND;
+        UPDATE outbox_key_seq k SET last_seq = v_seq + 1
+         WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i;
+        aggregate_type := r.t;
+        aggregate_id := r.i;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+
+--
+-- Name: outbox_number_event(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_number_event() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+    IF NEW.idempotency_key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(
+            hashtextextended(NEW.aggregate_type || chr(31) || NEW.idempotency_key, 17));
+    END IF;
+    IF NEW.available_at > NEW.created_at THEN
+        -- Scheduled: numbered once due (outbox_number_due). The key gets its counter now,
+        -- so that numbering it later never has to wait for a producer creating it.
+        NEW.seq := NULL;
+        INSERT INTO public.outbox_key_seq (aggregate_type, aggregate_id, last_seq)
+        VALUES (NEW.aggregate_type, NEW.aggregate_id, 0)
+        ON CONFLICT DO NOTHING;
+        RETURN NEW;
+    END IF;
+    INSERT INTO public.outbox_key_seq AS k (aggregate_type, aggregate_id, last_seq)
+    VALUES (NEW.aggregate_type, NEW.aggregate_id, 1)
+    ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = k.last_seq + 1
+    RETURNING k.last_seq INTO NEW.seq;
+    -- An event_id or an idempotency key already stored: this INSERT fails, or is skipped
+    -- by ON CONFLICT DO NOTHING, after this trigger. Its number goes back (the key's row is
+    -- still ours), so that no number is left without an event.
+    IF EXISTS (SELECT 1 FROM public.outbox_events e WHERE e.event_id = NEW.event_id)
+       OR (NEW.idempotency_key IS NOT NULL
+           AND EXISTS (SELECT 1 FROM public.outbox_events e
+                        WHERE e.aggregate_type = NEW.aggregate_type
+                          AND e.idempotency_key = NEW.idempotency_key)) THEN
+        UPDATE public.outbox_key_seq k SET last_seq = k.last_seq - 1
+         WHERE k.aggregate_type = NEW.aggregate_type AND k.aggregate_id = NEW.aggregate_id;
+        NEW.seq := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+--
 -- Name: outbox_partition_of(text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1342,8 +1390,6 @@ CREATE FUNCTION public.outbox_record_failures(p_ids bigint[], p_reasons text[], 
     AS $$
 #variable_conflict use_column
 BEGIN
-    -- A takeover (outbox_lease) takes this lock exclusively: it waits for this call, and
-    -- this call sees the partitions as they are after any takeover that came first.
     PERFORM pg_advisory_xact_lock_shared(outbox_claim_lock_key());
     RETURN QUERY
     WITH mine AS (
@@ -1358,46 +1404,21 @@ BEGIN
            SET attempts = e.attempts + 1,
                last_error = f.reason,
                parked_at = CASE WHEN f.kind = 2 OR (f.kind = 1 AND e.attempts + 1 >= p_max_attempts)
-                                THEN now() END,
-               seq = CASE WHEN f.kind = 2 OR (f.kind = 1 AND e.attempts + 1 >= p_max_attempts)
-                          THEN coalesce((SELECT n.seq
-                                           FROM outbox_key_seq k,
-                                                unnest(k.numbered_ids, k.numbered_seqs) AS n(id, seq)
-                                          WHERE k.aggregate_type = e.aggregate_type
-                                            AND k.aggregate_id = e.aggregate_id
-                                            AND n.id = e.id), e.seq)
-                          ELSE e.seq END
+                                THEN now() END
           FROM f
          WHERE e.id = f.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL
            AND outbox_partition_of(e.aggregate_type, e.aggregate_id) IN (SELECT m.partition FROM mine m)
         RETURNING e.id, e.aggregate_type, e.aggregate_id, e.seq, e.attempts,
                   e.parked_at IS NOT NULL AS parked
-    ), unnumbered AS (
-        -- Rows numbered before migration 0007 carry their number in outbox_events too.
-        -- One failed row per key per call (the relay has one unconfirmed row per key),
-        -- so these are never rows of u.
-        UPDATE outbox_events o SET seq = NULL
-          FROM u
-         WHERE p_block_key AND u.parked
-           AND o.aggregate_type = u.aggregate_type AND o.aggregate_id = u.aggregate_id
-           AND o.seq > u.seq AND o.dispatched_at IS NULL AND o.parked_at IS NULL
-        RETURNING o.id
-    ), rewound AS (
-        UPDATE outbox_key_seq k
-           SET last_seq = u.seq,
-               numbered_ids = ARRAY(SELECT n.id FROM unnest(k.numbered_ids, k.numbered_seqs) WITH ORDINALITY AS n(id, seq, o)
-                                     WHERE n.seq <= u.seq ORDER BY n.o),
-               numbered_seqs = ARRAY(SELECT n.seq FROM unnest(k.numbered_seqs) WITH ORDINALITY AS n(seq, o)
-                                      WHERE n.seq <= u.seq ORDER BY n.o)
+    ), blocked AS (
+        UPDATE outbox_key_seq k SET blocked_seq = u.seq
           FROM u
          WHERE p_block_key AND u.parked
            AND k.aggregate_type = u.aggregate_type AND k.aggregate_id = u.aggregate_id
-           AND k.last_seq > u.seq
-        RETURNING k.last_seq
+        RETURNING k.aggregate_type
     )
     SELECT u.id, u.attempts, u.parked, 'recorded'::text FROM u
     UNION ALL
-    -- The ids this call did not change, as they were when it started.
     SELECT f.id, coalesce(e.attempts, 0), coalesce(e.parked_at IS NOT NULL, false),
            CASE WHEN e.id IS NULL THEN 'gone'
                 WHEN outbox_partition_of(e.aggregate_type, e.aggregate_id) NOT IN (SELECT m.partition FROM mine m)
@@ -1419,56 +1440,73 @@ CREATE FUNCTION public.outbox_redrive(p_ids bigint[], p_dry_run boolean DEFAULT 
     SET search_path TO 'public'
     AS $$
 #variable_conflict use_column
+DECLARE
+    k       record;
+    v_base  bigint;
+    v_ids   bigint[] := '{}';
+    v_seqs  bigint[] := '{}';
+    v_renum boolean[] := '{}';
 BEGIN
-    RETURN QUERY
-    WITH sel AS (
-        SELECT e.id, e.event_id, e.aggregate_type, e.aggregate_id, e.seq
-          FROM outbox_events e
-         WHERE e.id = ANY (p_ids) AND e.parked_at IS NOT NULL
-    ), renumber AS (
-        SELECT DISTINCT s.aggregate_type, s.aggregate_id
-          FROM sel s
-         WHERE s.seq IS NULL
-            OR EXISTS (SELECT 1 FROM outbox_events o
+    FOR k IN
+        WITH sel AS (
+            SELECT e.id, e.aggregate_type, e.aggregate_id, e.seq
+              FROM outbox_events e
+             WHERE e.id = ANY (p_ids) AND e.parked_at IS NOT NULL
+        ), plan AS (
+            SELECT s.*, s.seq IS NULL OR EXISTS (
+                       SELECT 1 FROM outbox_events o
                         WHERE o.aggregate_type = s.aggregate_type AND o.aggregate_id = s.aggregate_id
-                          AND o.seq > s.seq AND NOT (o.id = ANY (p_ids)))
-            OR EXISTS (SELECT 1 FROM outbox_key_seq k, unnest(k.numbered_ids, k.numbered_seqs) AS n(id, seq)
-                        WHERE k.aggregate_type = s.aggregate_type AND k.aggregate_id = s.aggregate_id
-                          AND n.seq > s.seq AND NOT (n.id = ANY (p_ids)))
-    ), plan AS (
-        SELECT s.*, EXISTS (SELECT 1 FROM renumber r
-                             WHERE r.aggregate_type = s.aggregate_type
-                               AND r.aggregate_id = s.aggregate_id) AS renumbered
-          FROM sel s
-    ), redriven AS (
+                          AND o.seq > s.seq AND NOT (o.id = ANY (p_ids))
+                          AND (o.dispatched_at IS NOT NULL OR o.parked_at IS NOT NULL
+                               OR NOT EXISTS (SELECT 1 FROM outbox_key_seq c
+                                               WHERE c.aggregate_type = s.aggregate_type
+                                                 AND c.aggregate_id = s.aggregate_id
+                                                 AND c.blocked_seq = s.seq))) AS renumber
+              FROM sel s
+        )
+        SELECT p.aggregate_type AS t, p.aggregate_id AS i, bool_or(p.renumber) AS renumber,
+               array_agg(p.id ORDER BY p.seq NULLS LAST, p.id) AS ids,
+               array_agg(p.seq ORDER BY p.seq NULLS LAST, p.id) AS seqs
+          FROM plan p
+         GROUP BY p.aggregate_type, p.aggregate_id
+         ORDER BY p.aggregate_type, p.aggregate_id
+    LOOP
+        v_ids := v_ids || k.ids;
+        v_seqs := v_seqs || k.seqs;
+        v_renum := v_renum || array_fill(k.renumber, ARRAY[cardinality(k.ids)]);
+        CONTINUE WHEN p_dry_run;
+        v_base := NULL;
+        IF k.renumber THEN
+            UPDATE outbox_key_seq c
+               SET last_seq = greatest(c.last_seq,
+                                       coalesce((SELECT max(o.seq) FROM outbox_events o
+                                                  WHERE o.aggregate_type = k.t AND o.aggregate_id = k.i), 0))
+                              + cardinality(k.ids),
+                   blocked_seq = NULL
+             WHERE c.aggregate_type = k.t AND c.aggregate_id = k.i
+            RETURNING c.last_seq - cardinality(k.ids) INTO v_base;
+            IF v_base IS NULL THEN
+                INSERT INTO outbox_key_seq (aggregate_type, aggregate_id, last_seq)
+                SELECT k.t, k.i, coalesce(max(o.seq), 0) + cardinality(k.ids)
+                  FROM outbox_events o WHERE o.aggregate_type = k.t AND o.aggregate_id = k.i
+                RETURNING last_seq - cardinality(k.ids) INTO v_base;
+            END IF;
+        ELSE
+            UPDATE outbox_key_seq c SET blocked_seq = NULL
+             WHERE c.aggregate_type = k.t AND c.aggregate_id = k.i AND c.blocked_seq IS NOT NULL;
+        END IF;
         UPDATE outbox_events e
            SET parked_at = NULL,
                attempts = 0,
-               seq = CASE WHEN plan.renumbered THEN NULL ELSE e.seq END
-          FROM plan
-         WHERE e.id = plan.id AND NOT p_dry_run
-        RETURNING e.id
-    ), entries AS (
-        -- The re-driven rows' old entries go (a parked row's entry stays until its key is
-        -- numbered again; left in place, a renumbered row would go out with its old
-        -- number); those that keep their number get it back.
-        UPDATE outbox_key_seq k
-           SET numbered_ids = ARRAY(SELECT n.id FROM unnest(k.numbered_ids, k.numbered_seqs) WITH ORDINALITY AS n(id, seq, o)
-                                     WHERE NOT (n.id = ANY (x.ids)) ORDER BY n.o) || x.kept_ids,
-               numbered_seqs = ARRAY(SELECT n.seq FROM unnest(k.numbered_ids, k.numbered_seqs) WITH ORDINALITY AS n(id, seq, o)
-                                      WHERE NOT (n.id = ANY (x.ids)) ORDER BY n.o) || x.kept_seqs
-          FROM (SELECT p.aggregate_type, p.aggregate_id, array_agg(p.id) AS ids,
-                       coalesce(array_agg(p.id ORDER BY p.seq) FILTER (WHERE NOT p.renumbered), '{}') AS kept_ids,
-                       coalesce(array_agg(p.seq ORDER BY p.seq) FILTER (WHERE NOT p.renumbered), '{}') AS kept_seqs
-                  FROM plan p
-                 GROUP BY p.aggregate_type, p.aggregate_id) x
-         WHERE NOT p_dry_run
-           AND k.aggregate_type = x.aggregate_type AND k.aggregate_id = x.aggregate_id
-        RETURNING k.aggregate_type
-    )
-    SELECT plan.id, plan.event_id, plan.aggregate_type, plan.aggregate_id, plan.seq, plan.renumbered
-      FROM plan
-     ORDER BY plan.id;
+               seq = CASE WHEN k.renumber THEN v_base + array_position(k.ids, e.id) ELSE e.seq END
+         WHERE e.id = ANY (k.ids);
+    END LOOP;
+
+    RETURN QUERY
+    SELECT e.id, e.event_id, e.aggregate_type, e.aggregate_id, x.seq_before, x.renumbered
+      FROM unnest(v_ids, v_seqs, v_renum) AS x(id, seq_before, renumbered)
+      JOIN outbox_events e ON e.id = x.id
+     ORDER BY e.id;
 
     IF NOT p_dry_run THEN
         PERFORM pg_notify('outbox_events:' || current_schema(), '');
@@ -1839,7 +1877,8 @@ CREATE TABLE public.outbox_key_seq (
     aggregate_id text NOT NULL,
     last_seq bigint NOT NULL,
     numbered_ids bigint[] DEFAULT '{}'::bigint[] NOT NULL,
-    numbered_seqs bigint[] DEFAULT '{}'::bigint[] NOT NULL
+    numbered_seqs bigint[] DEFAULT '{}'::bigint[] NOT NULL,
+    blocked_seq bigint
 );
 
 --
@@ -2134,6 +2173,12 @@ CREATE INDEX outbox_events_pending_key ON public.outbox_events USING btree (aggr
 CREATE INDEX outbox_events_scheduled ON public.outbox_events USING btree (available_at, id) WHERE ((dispatched_at IS NULL) AND (parked_at IS NULL) AND (available_at > created_at));
 
 --
+-- Name: outbox_events_unnumbered; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX outbox_events_unnumbered ON public.outbox_events USING btree (available_at, id) WHERE ((seq IS NULL) AND (dispatched_at IS NULL) AND (parked_at IS NULL));
+
+--
 -- Name: outbox_inbox_handled; Type: INDEX; Schema: public; Owner: -
 --
 
@@ -2150,6 +2195,12 @@ CREATE INDEX outbox_inbox_held_partition ON public.outbox_inbox_held USING btree
 --
 
 CREATE TRIGGER outbox_events_deleted AFTER DELETE ON public.outbox_events REFERENCING OLD TABLE AS outbox_deleted FOR EACH STATEMENT EXECUTE FUNCTION public.outbox_record_deleted();
+
+--
+-- Name: outbox_events outbox_events_number; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER outbox_events_number BEFORE INSERT ON public.outbox_events FOR EACH ROW EXECUTE FUNCTION public.outbox_number_event();
 
 --
 -- Name: outbox_events outbox_events_redrive_floor; Type: TRIGGER; Schema: public; Owner: -

@@ -99,6 +99,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../sql/0014_late_events.sql"),
     },
     Migration {
+        version: 15,
+        name: "0015_numbered_at_insert.sql",
+        sql: include_str!("../sql/0015_numbered_at_insert.sql"),
+    },
+    Migration {
         version: 16,
         name: "0016_effect_order.sql",
         sql: include_str!("../sql/0016_effect_order.sql"),
@@ -112,11 +117,6 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 18,
         name: "0018_replay.sql",
         sql: include_str!("../sql/0018_replay.sql"),
-    },
-    Migration {
-        version: 15,
-        name: "0015_numbered_at_insert.sql",
-        sql: include_str!("../../sql/0015_numbered_at_insert.sql"),
     },
 ];
 
