@@ -93,6 +93,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0014_late_events.sql",
         sql: include_str!("../../sql/0014_late_events.sql"),
     },
+    Migration {
+        version: 19,
+        name: "0019_parked_events.sql",
+        sql: include_str!("../../sql/0019_parked_events.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

@@ -621,6 +621,86 @@ async fn a_transient_failure_holds_only_its_key() {
     kit::delete_group_topology(&cfg).await;
 }
 
+/// The numbers of the report that found it: one partition, prefetch 8, key A's first event
+/// failing transiently with 24 more of A's events queued behind it, then 20 events of key
+/// B. A's later events must not fill the partition's window: B is applied while A/1 still
+/// fails (before, none of B was applied in 30 s), A's parked events wait in the database,
+/// and once A/1 goes through A is applied 1..25 in order, with no jump recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_key_with_more_events_queued_than_the_prefetch_holds_only_itself() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = group_config(&ex, 1);
+    assert_eq!(cfg.prefetch.get(), 8);
+    cfg.max_attempts = std::num::NonZeroU32::new(200);
+    let handler = Scripted::new("m");
+    handler.stuck.store(true, Ordering::SeqCst);
+    let running = Running::start(&db, cfg.clone(), handler.clone());
+    wait_group_ready(&cfg).await;
+    let publisher = RawPublisher::new(&ex).await;
+    publisher
+        .publish(&RawEvent::new("A", 1, json!({"stuck": true})))
+        .await;
+    for seq in 2..=25 {
+        publisher.publish(&RawEvent::new("A", seq, json!({}))).await;
+    }
+    for seq in 1..=20 {
+        publisher.publish(&RawEvent::new("B", seq, json!({}))).await;
+    }
+    wait_for(
+        "B applied 1..20 while A/1 fails",
+        Duration::from_secs(30),
+        || async {
+            (applied(&client).await.get("B") == Some(&(1..=20).collect::<Vec<i64>>())).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        handler.stuck_attempts.load(Ordering::SeqCst) >= 1,
+        "A/1 was tried"
+    );
+    assert!(
+        !applied(&client).await.contains_key("A"),
+        "nothing of A goes before A/1"
+    );
+    let parked: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_inbox_held WHERE aggregate_id = 'A'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(parked > 0, "A's later events wait in the database");
+    handler.stuck.store(false, Ordering::SeqCst);
+    wait_for("A applied 1..25", Duration::from_secs(30), || async {
+        (applied(&client).await.get("A") == Some(&(1..=25).collect::<Vec<i64>>())).then_some(())
+    })
+    .await;
+    let (held, jumps): (i64, i64) = {
+        let r = client
+            .query_one(
+                "SELECT (SELECT count(*) FROM outbox_inbox_held),
+                        (SELECT count(*) FROM outbox_inbox_gaps)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((held, jumps), (0, 0), "nothing left held, no jump");
+    wait_for(
+        "the partition queue empty",
+        Duration::from_secs(20),
+        || async { (queue_depth(&cfg.partition_queue(0)).await == 0).then_some(()) },
+    )
+    .await;
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
 /// (last_seq, blocked_seq, held events) of key `order/<key>`; zeros before its first record.
 async fn key_state(client: &Client, consumer: &str, key: &str) -> (i64, Option<i64>, i64) {
     let Some(r) = client

@@ -69,6 +69,11 @@ pub(super) fn key_of(d: &Delivery) -> Option<(String, String)> {
     ))
 }
 
+/// The seq header of a delivery (`x-outbox-seq`), read before parsing.
+pub(super) fn seq_of(d: &Delivery) -> Option<i64> {
+    header_i64(d, H_SEQ)
+}
+
 pub(super) fn original_routing_key(d: &Delivery) -> String {
     header_string(d, H_ROUTING_KEY).unwrap_or_else(|| d.routing_key.as_str().to_owned())
 }
