@@ -1054,6 +1054,161 @@ async fn a_seq_jump_is_applied_at_once_and_recorded() {
     kit::delete_group_topology(&cfg).await;
 }
 
+/// `rabbitmqctl` with a deadline.
+async fn ctl(args: &[&str]) -> String {
+    tokio::time::timeout(Duration::from_secs(60), rabbitmqctl(args))
+        .await
+        .unwrap_or_else(|_| panic!("rabbitmqctl {args:?} within 60 s"))
+}
+
+/// A vhost of the test's own, deleted when dropped.
+struct Vhost(String);
+
+impl Drop for Vhost {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["-t", "30", "delete_vhost", &self.0])
+            .output();
+    }
+}
+
+/// (name, type, consumers) of the queues of `vhost` whose name starts with `prefix`.
+async fn queue_types(vhost: &str, prefix: &str) -> Vec<(String, String, u32)> {
+    let listing = ctl(&[
+        "list_queues",
+        "-q",
+        "--no-table-headers",
+        "-p",
+        vhost,
+        "name",
+        "type",
+        "consumers",
+    ])
+    .await;
+    let mut queues: Vec<(String, String, u32)> = listing
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (name, kind, consumers) = (f.next()?, f.next()?, f.next()?);
+            name.starts_with(prefix).then(|| {
+                (
+                    name.to_owned(),
+                    kind.to_owned(),
+                    consumers.parse().unwrap_or(0),
+                )
+            })
+        })
+        .collect();
+    queues.sort();
+    queues
+}
+
+/// On a vhost whose default queue type is quorum (`rabbitmqctl add_vhost NAME
+/// --default-queue-type quorum`), a group's intake and partition queues are still classic
+/// (before, they silently became quorum queues: a delivery limit, returns to the tail) and
+/// the group works. A partition queue an earlier version left there as a quorum queue is
+/// refused at start-up, naming the argument, instead of being used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn group_queues_stay_classic_on_a_vhost_whose_default_is_quorum() {
+    let vhost = unique("it.quorum").replace('_', ".");
+    ctl(&["add_vhost", &vhost, "--default-queue-type", "quorum"]).await;
+    let _gone = Vhost(vhost.clone());
+    ctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]).await;
+    let base = amqp_url();
+    let url = format!("{}/{vhost}", &base[..base.rfind('/').unwrap()]);
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 2);
+    let deps = || ConsumerDeps {
+        pool: db.target.pool(&db.schema, "outbox-it-consumer", 32),
+        amqp: AmqpTarget::parse(&url).unwrap(),
+    };
+    let running = Running::start_with(deps(), cfg.clone(), Scripted::new("m"));
+    let queues = wait_for(
+        "the group consumes its intake and partitions",
+        Duration::from_secs(60),
+        || async {
+            let q = queue_types(&vhost, &cfg.queue).await;
+            let consumed = q
+                .iter()
+                .filter(|(name, _, consumers)| !name.ends_with(".dlq") && *consumers > 0)
+                .count();
+            (consumed == 3).then_some(q)
+        },
+    )
+    .await;
+    let group: Vec<(&str, &str)> = queues
+        .iter()
+        .filter(|(name, _, _)| !name.ends_with(".dlq"))
+        .map(|(name, kind, _)| (name.as_str(), kind.as_str()))
+        .collect();
+    let (intake, p0, p1) = (
+        cfg.intake_queue(),
+        cfg.partition_queue(0),
+        cfg.partition_queue(1),
+    );
+    assert_eq!(
+        group,
+        [
+            (intake.as_str(), "classic"),
+            (p0.as_str(), "classic"),
+            (p1.as_str(), "classic")
+        ]
+    );
+    let publisher = RawPublisher::on(&url, &ex).await;
+    publisher.publish(&RawEvent::new("q", 1, json!({}))).await;
+    wait_for("the event applied", Duration::from_secs(30), || async {
+        (applied(&client).await.get("q") == Some(&vec![1])).then_some(())
+    })
+    .await;
+    running.stop().await;
+
+    // An earlier version's partition queue, made quorum by the vhost's default.
+    let conn = AmqpTarget::parse(&url)
+        .unwrap()
+        .connect("outbox-it-quorum")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let rpc = Duration::from_secs(15);
+    // The arguments an earlier version declared it with: no x-queue-type.
+    let mut earlier = FieldTable::default();
+    earlier.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    earlier.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(format!("{}.dlx", cfg.queue).into()),
+    );
+    tokio::time::timeout(rpc, ch.queue_delete(p1.as_str().into(), Default::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(
+        rpc,
+        ch.queue_declare(
+            p1.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            earlier,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let _ = tokio::time::timeout(rpc, conn.close(200, "ok".into())).await;
+    let r = Running::start_with(deps(), cfg.clone(), Scripted::new("m"));
+    let err = tokio::time::timeout(Duration::from_secs(30), r.handle)
+        .await
+        .expect("refused within 30 s")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, ConsumerError::Topology(_)), "{err}");
+    assert!(err.to_string().contains("x-queue-type"), "{err}");
+}
+
 /// Starts a member that must end at once with an error; the error.
 async fn refused(db: &TestDb, cfg: &ConsumerConfig) -> ConsumerError {
     let r = Running::start(db, cfg.clone(), Scripted::new("m"));

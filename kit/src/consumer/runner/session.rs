@@ -301,9 +301,9 @@ async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
 }
 
 /// An ordered group's topology: the source exchange, the dead-letter exchange and queue,
-/// the intake queue (single-active-consumer) bound to the source with each binding, the
+/// the intake queue (classic, single-active-consumer) bound to the source with each binding, the
 /// route exchange (direct, its alternate exchange the dead-letter exchange) and the
-/// partition queues (single-active-consumer), each bound to the route exchange with its
+/// partition queues (classic, single-active-consumer), each bound to the route exchange with its
 /// own name. Refused while the consistent-hash exchange of an earlier version is there.
 async fn declare_group(
     ch: &Channel,
@@ -315,6 +315,12 @@ async fn declare_group(
     let (dlx, queue_options) = declare_source_and_dead_letters(ch, cfg).await?;
     let single_active = |dead_letters: bool| {
         let mut args = FieldTable::default();
+        // Pinned: on a broker or vhost whose default type is quorum they would otherwise be
+        // quorum queues, which move a returned message to the tail and drop (or dead-letter)
+        // it after a delivery limit that channel closures count toward. A queue that already
+        // exists as classic without the argument accepts it; one that exists as quorum is
+        // refused (PRECONDITION_FAILED), and the runner stops saying so.
+        args.insert("x-queue-type".into(), long_string("classic"));
         args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
         if dead_letters {
             args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
