@@ -98,3 +98,7 @@ pub(crate) fn key_parked(
 pub(crate) fn park_failed(consumer: &str, partition: u16, error: &str) {
     warn!(target: "outbox_relay::consumer", consumer, partition, error, "could not park a key's later event; it waits in memory instead");
 }
+
+pub(crate) fn copy_failed(consumer: &str, why: &str) {
+    warn!(target: "outbox_relay::consumer", consumer, why, "the group router could not put a copy in its partition queue; retrying it with backoff while its key waits and other keys go on");
+}
