@@ -1054,6 +1054,104 @@ async fn a_seq_jump_is_applied_at_once_and_recorded() {
     kit::delete_group_topology(&cfg).await;
 }
 
+/// A partition queue that is gone: the router's copies for it come back (`mandatory`)
+/// and are retried, never acked away into the dead-letter queue (before, the route
+/// exchange's alternate exchange took them and the intake was acked); and the other
+/// partition goes on meanwhile (before, any failed copy ended the router for every key).
+/// Once the queue is back, the held key is applied in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn copies_for_a_missing_partition_queue_are_retried_while_the_others_flow() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = group_config(&ex, 2);
+    declare_group(&db, &cfg).await;
+    // A member that declares nothing, so that the queue stays gone until the test says.
+    cfg.declare = false;
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let key_in = |p: u16| {
+        (0..)
+            .map(|i| format!("k{i}"))
+            .find(|k| cfg.partition_of("order", k) == p)
+            .unwrap()
+    };
+    let (live, gone) = (key_in(0), key_in(1));
+    let conn = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-missing")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let rpc = Duration::from_secs(15);
+    let p1 = cfg.partition_queue(1);
+    tokio::time::timeout(rpc, ch.queue_delete(p1.as_str().into(), Default::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    let publisher = RawPublisher::new(&ex).await;
+    for seq in 1..=3 {
+        publisher
+            .publish(&RawEvent::new(&gone, seq, json!({})))
+            .await;
+    }
+    for seq in 1..=3 {
+        publisher
+            .publish(&RawEvent::new(&live, seq, json!({})))
+            .await;
+    }
+    wait_for(
+        "the other partition's key applied",
+        Duration::from_secs(30),
+        || async { (applied(&client).await.get(&live) == Some(&vec![1, 2, 3])).then_some(()) },
+    )
+    .await;
+    // Long enough for the router to have tried the gone partition's copies several times.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!applied(&client).await.contains_key(&gone));
+    assert!(
+        dead.all().is_empty(),
+        "no copy went to the dead-letter queue: {:?}",
+        dead.all()
+    );
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("classic".into()),
+    );
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(format!("{}.dlx", cfg.queue).into()),
+    );
+    tokio::time::timeout(
+        rpc,
+        ch.queue_declare(
+            p1.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let _ = tokio::time::timeout(rpc, conn.close(200, "ok".into())).await;
+    wait_for(
+        "the held key applied once its queue is back",
+        Duration::from_secs(30),
+        || async { (applied(&client).await.get(&gone) == Some(&vec![1, 2, 3])).then_some(()) },
+    )
+    .await;
+    assert!(dead.all().is_empty(), "{:?}", dead.all());
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
 /// `rabbitmqctl` with a deadline.
 async fn ctl(args: &[&str]) -> String {
     tokio::time::timeout(Duration::from_secs(60), rabbitmqctl(args))
@@ -1283,7 +1381,12 @@ async fn unsupported_bindings_and_a_changed_partition_count_are_refused() {
 
 /// The channel numbers the broker lists for the connection named `name`.
 async fn channel_numbers(name: &str) -> Vec<u32> {
-    let conns = rabbitmqctl(&[
+    channels(name).await.into_iter().map(|(n, _)| n).collect()
+}
+
+/// (number, in confirm mode) of each channel of the connection named exactly `name`.
+async fn channels(name: &str) -> Vec<(u32, bool)> {
+    let conns = ctl(&[
         "list_connections",
         "-q",
         "--no-table-headers",
@@ -1291,26 +1394,70 @@ async fn channel_numbers(name: &str) -> Vec<u32> {
         "client_properties",
     ])
     .await;
+    let named = format!("{{\"connection_name\",\"{name}\"}}");
     let Some(pid) = conns
         .lines()
-        .find(|l| l.contains(name))
+        .find(|l| l.contains(&named))
         .and_then(|l| l.split_whitespace().next())
     else {
         return Vec::new();
     };
-    let chans = rabbitmqctl(&[
+    let chans = ctl(&[
         "list_channels",
         "-q",
         "--no-table-headers",
         "connection",
         "number",
+        "confirm",
     ])
     .await;
     chans
         .lines()
         .filter(|l| l.starts_with(pid))
-        .filter_map(|l| l.split_whitespace().last()?.parse().ok())
+        .filter_map(|l| {
+            let mut f = l.split_whitespace().skip(1);
+            Some((f.next()?.parse().ok()?, f.next()? == "true"))
+        })
         .collect()
+}
+
+/// An ordered group's dead letters go out on a connection of their own, not on the one
+/// its partition consumers ack on: a broker under a memory or disk alarm blocks a
+/// connection that publishes, and with it those acks. The member's own connection has no
+/// confirm-mode channel; its dead-letter connection has one, and a poison event is
+/// dead-lettered through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_go_out_on_a_connection_of_their_own() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 1);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let poison = RawEvent::new("x", 1, json!({"poison": true}));
+    RawPublisher::new(&ex).await.publish(&poison).await;
+    wait_for(
+        "the poison dead-lettered",
+        Duration::from_secs(30),
+        || async { dead.all().into_iter().next() },
+    )
+    .await;
+    let own = channels(&cfg.connection_name).await;
+    assert!(!own.is_empty(), "the member's connection is listed");
+    assert!(
+        own.iter().all(|(_, confirm)| !confirm),
+        "no publishing channel beside the partition consumers: {own:?}"
+    );
+    let letters = channels(&format!("{} dead letters", cfg.connection_name)).await;
+    assert_eq!(
+        letters.iter().filter(|(_, confirm)| *confirm).count(),
+        1,
+        "{letters:?}"
+    );
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
 }
 
 /// The broker nacks every dead-letter copy (a queue bound to the dead-letter exchange
@@ -1326,7 +1473,8 @@ async fn a_publish_channel_that_only_nacks_is_replaced() {
     let cfg = group_config(&ex, 1);
     let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
     wait_group_ready(&cfg).await;
-    let before = channel_numbers(&cfg.connection_name).await;
+    let letters = format!("{} dead letters", cfg.connection_name);
+    let before = channel_numbers(&letters).await;
     assert!(!before.is_empty(), "no channels listed for the runner");
 
     let conn = AmqpTarget::parse(&amqp_url())
@@ -1363,7 +1511,7 @@ async fn a_publish_channel_that_only_nacks_is_replaced() {
         "a new publish channel after nacks only",
         Duration::from_secs(30),
         || async {
-            let now = channel_numbers(&cfg.connection_name).await;
+            let now = channel_numbers(&letters).await;
             now.iter().any(|n| *n > max_before).then_some(())
         },
     )

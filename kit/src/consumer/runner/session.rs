@@ -1,8 +1,9 @@
 //! One AMQP session of the runner: connect, declare the topology (a queue with retry
 //! queues, or an ordered group's intake queue, route exchange and partition queues), open a consume
-//! channel (with the prefetch) and a confirm-mode publish channel, and the unordered consume
-//! loop, one `select!` over a closed set of wake-ups ([`Wake`]). `run` reconnects around
-//! it; an ordered group's member (`group`) runs on the same session instead of the loop.
+//! channel (with the prefetch) and (unordered) a confirm-mode publish channel, and the
+//! unordered consume loop, one `select!` over a closed set of wake-ups ([`Wake`]). `run`
+//! reconnects around it; an ordered group's member (`group`) runs on the same session
+//! instead of the loop, with its dead letters on a connection of their own.
 //!
 //! Invariants: at most `prefetch` messages are in hand; on shutdown or a lost connection
 //! no new message is taken and those in hand finish (their acks may fail; the broker
@@ -39,7 +40,8 @@ pub(super) enum Opened {
 pub(super) struct Session {
     pub(super) conn: Arc<Connection>,
     consume: Channel,
-    pub(super) publish: Channel,
+    /// The confirm channel of an unordered consumer's copies (none for an ordered group).
+    pub(super) publish: Option<Channel>,
     pub(super) lost: CancellationToken,
 }
 
@@ -101,12 +103,18 @@ impl Session {
                 consume.basic_qos(cfg.prefetch.get(), BasicQosOptions::default()),
             )
             .await?;
-            let publish = rpc("channel.open", conn.create_channel()).await?;
-            rpc(
-                "confirm.select",
-                publish.confirm_select(ConfirmSelectOptions::default()),
-            )
-            .await?;
+            // An ordered group publishes its dead letters on a connection of its own.
+            let publish = if cfg.ordered.is_none() {
+                let publish = rpc("channel.open", conn.create_channel()).await?;
+                rpc(
+                    "confirm.select",
+                    publish.confirm_select(ConfirmSelectOptions::default()),
+                )
+                .await?;
+                Some(publish)
+            } else {
+                None
+            };
             Ok::<_, Opened>((consume, publish))
         };
         let (consume, publish) = match setup.await {
@@ -302,8 +310,8 @@ async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
 
 /// An ordered group's topology: the source exchange, the dead-letter exchange and queue,
 /// the intake queue (classic, single-active-consumer) bound to the source with each binding, the
-/// route exchange (direct, its alternate exchange the dead-letter exchange) and the
-/// partition queues (classic, single-active-consumer), each bound to the route exchange with its
+/// route exchange of earlier versions' routers (direct, its alternate exchange the
+/// dead-letter exchange) and the partition queues (classic, single-active-consumer), each bound to the route exchange with its
 /// own name. Refused while the consistent-hash exchange of an earlier version is there.
 async fn declare_group(
     ch: &Channel,
