@@ -30,8 +30,9 @@ use crate::amqp::AmqpTarget;
 use crate::consumer::{events, inbox};
 use crate::db::{DbError, deadline};
 
-use super::process::{GroupCx, Shared, apply_held};
+use super::process::{GroupCx, apply_held};
 use super::session::Ended;
+use super::settle::Shared;
 use super::{Handler, Ordered};
 
 const BEAT: &str = "SELECT m FROM outbox_group_beat($1, $2, $3) AS m";

@@ -15,7 +15,7 @@ use crate::contract::headers::{
     ROUTING_KEY as H_ROUTING_KEY, SEQ as H_SEQ,
 };
 
-use super::HandlerError;
+use super::error::HandlerError;
 
 /// One delivered event, as a handler sees it (no lapin types).
 #[derive(Clone, Debug)]

@@ -27,7 +27,9 @@
 //! queue's key lanes), `message` (a
 //! delivery's headers parsed into a [`Message`]), `process` (the inbox transaction around
 //! the [`Handler`], in-place retries), `settle` (ack, retry tier, dead letter, each copy
-//! published with a confirm on a channel replaced when it only nacks).
+//! published with a confirm on a channel replaced when it only nacks; and `Shared`, what
+//! every message task shares), `handler` and `error` (what the user implements and what it
+//! returns). No two of these files import each other, directly or in a circle.
 //!
 //! Invariants: a message is acked only after the inbox transaction committed, or after its
 //! copy was confirmed by the broker in a retry queue or the dead-letter exchange. A graceful
@@ -35,6 +37,7 @@
 //! Only this module (and its children) knows lapin; handlers get [`Message`].
 
 mod config;
+mod error;
 mod group;
 mod handler;
 mod message;
@@ -59,12 +62,13 @@ use crate::consumer::inbox;
 use crate::contract::ConfigError;
 
 pub use config::{ConsumerConfig, OnDead, Ordered};
-pub use handler::{Context, Handler, HandlerError};
+pub use error::HandlerError;
+pub use handler::{Context, Handler};
 pub use message::Message;
 
-use process::Shared;
 use session::{Ended, Opened, Session};
 use settle::Publisher;
+use settle::Shared;
 
 /// The deadline of one broker round trip made while settling or stopping (ack, nack,
 /// cancel, a publish and its confirm).

@@ -36,8 +36,8 @@ use crate::consumer::inbox::{self, HeldEvent, Parked};
 use crate::db::deadline;
 
 use super::message::{key_of, parse, seq_of};
-use super::process::{GroupCx, Settled, Shared, process_in_group};
-use super::settle::ack;
+use super::process::{GroupCx, Settled, process_in_group};
+use super::settle::{Shared, ack};
 use super::{Handler, RPC_TIMEOUT};
 
 /// How many of a key's events wait in memory behind the one that runs, at most: a quarter

@@ -27,7 +27,8 @@ use tokio_util::sync::CancellationToken;
 use crate::amqp::{self, AmqpError, AmqpTarget, long_string};
 use crate::consumer::events;
 
-use super::process::{Shared, process};
+use super::process::process;
+use super::settle::Shared;
 use super::{ConsumerConfig, Handler, RPC_TIMEOUT};
 
 pub(super) enum Opened {
