@@ -16,6 +16,9 @@
 -- lower seq (or while its key is blocked): an earlier event still in a partition queue or in a
 -- member's hand is applied before the parked ones, a later one waits behind them.
 --
+-- Also: outbox_group_take_held records a held event its key already went past as 'late' in
+-- outbox_inbox_gaps (before, it was taken for a duplicate with no record).
+--
 -- Replaced in place with the same arguments and results (grants kept): outbox_group_record,
 -- outbox_group_releasable, outbox_group_take_held. New: outbox_group_park.
 
@@ -160,7 +163,8 @@ AS $$
 $$;
 
 -- As before, and a parked event is not taken before the key's last_seq reached its
--- parked_after (the events unacked before it are applied first).
+-- parked_after (the events unacked before it are applied first); a held event its key
+-- already went past is recorded as late, as outbox_group_record does since 0014.
 CREATE OR REPLACE FUNCTION outbox_group_take_held(p_consumer text, p_aggregate_type text, p_aggregate_id text)
 RETURNS TABLE (outcome text, event_id uuid, seq bigint, event_type text, routing_key text,
                headers jsonb, body bytea, partition integer)
@@ -191,9 +195,20 @@ BEGIN
     DELETE FROM outbox_inbox_held hh
      WHERE hh.consumer = p_consumer AND hh.aggregate_type = p_aggregate_type
        AND hh.aggregate_id = p_aggregate_id AND hh.seq = h.seq;
-    IF h.seq <= k.last_seq OR EXISTS (
+    IF EXISTS (
         SELECT 1 FROM outbox_inbox i WHERE i.consumer = p_consumer AND i.event_id = h.event_id
     ) THEN
+        v_outcome := 'duplicate';
+    ELSIF h.seq <= k.last_seq THEN
+        -- Held, and its key went past it meanwhile (a later event dead-lettered with
+        -- continue, or applied): never seen, so recorded as late, as outbox_group_record
+        -- records such an event (0014), never dropped silently.
+        INSERT INTO outbox_inbox_gaps
+            (consumer, aggregate_type, aggregate_id, expected_seq, got_seq, event_id, action)
+        SELECT p_consumer, p_aggregate_type, p_aggregate_id, k.last_seq + 1, h.seq, h.event_id, 'late'
+         WHERE NOT EXISTS (SELECT 1 FROM outbox_inbox_gaps g
+                            WHERE g.consumer = p_consumer AND g.event_id = h.event_id
+                              AND g.action = 'late');
         v_outcome := 'duplicate';
     ELSE
         v_outcome := outbox_group_advance(p_consumer, h.event_id, p_aggregate_type,

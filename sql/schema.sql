@@ -1059,9 +1059,20 @@ BEGIN
     DELETE FROM outbox_inbox_held hh
      WHERE hh.consumer = p_consumer AND hh.aggregate_type = p_aggregate_type
        AND hh.aggregate_id = p_aggregate_id AND hh.seq = h.seq;
-    IF h.seq <= k.last_seq OR EXISTS (
+    IF EXISTS (
         SELECT 1 FROM outbox_inbox i WHERE i.consumer = p_consumer AND i.event_id = h.event_id
     ) THEN
+        v_outcome := 'duplicate';
+    ELSIF h.seq <= k.last_seq THEN
+        -- Held, and its key went past it meanwhile (a later event dead-lettered with
+        -- continue, or applied): never seen, so recorded as late, as outbox_group_record
+        -- records such an event (0014), never dropped silently.
+        INSERT INTO outbox_inbox_gaps
+            (consumer, aggregate_type, aggregate_id, expected_seq, got_seq, event_id, action)
+        SELECT p_consumer, p_aggregate_type, p_aggregate_id, k.last_seq + 1, h.seq, h.event_id, 'late'
+         WHERE NOT EXISTS (SELECT 1 FROM outbox_inbox_gaps g
+                            WHERE g.consumer = p_consumer AND g.event_id = h.event_id
+                              AND g.action = 'late');
         v_outcome := 'duplicate';
     ELSE
         v_outcome := outbox_group_advance(p_consumer, h.event_id, p_aggregate_type,

@@ -1675,3 +1675,69 @@ async fn the_sql_functions_alone_give_the_group_rules() {
     assert_eq!(seqs, [1, 3, 4, 5, 6, 7, 8]);
     assert_eq!(outcomes[2].1, "dead");
 }
+
+/// A held event its key went past meanwhile (a later event of the key dead-lettered with
+/// continue while it was held) is recorded as late when it is taken, as the inbox check
+/// records such an event (before, it was taken for a duplicate without a record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_event_its_key_went_past_is_recorded_late() {
+    let db = TestDb::new().await;
+    let c = db.client().await;
+    let ids: Vec<uuid::Uuid> = (0..6).map(|_| kit::fresh_uuid()).collect();
+    let record = |seq: i64, id: uuid::Uuid| {
+        let c = &c;
+        async move {
+            c.query_one(
+                "SELECT outcome FROM outbox_group_record('g', 0, $1, 'order', 'k', $2, 'created', 'order.created', '{}', '\\x7b7d')",
+                &[&id, &seq],
+            )
+            .await
+            .unwrap()
+            .get::<_, String>(0)
+        }
+    };
+    let dead = |seq: i64, id: uuid::Uuid, block: bool| {
+        let c = &c;
+        async move {
+            c.execute(
+                "SELECT outbox_group_dead('g', $1, 'order', 'k', $2, 'poison', $3)",
+                &[&id, &seq, &block],
+            )
+            .await
+            .unwrap();
+        }
+    };
+    assert_eq!(record(1, ids[1]).await, "apply");
+    dead(2, ids[2], true).await;
+    assert_eq!(record(4, ids[4]).await, "held");
+    dead(5, ids[5], false).await;
+    c.execute("SELECT outbox_consumer_release('g', 'order', 'k')", &[])
+        .await
+        .unwrap();
+    let taken: (String, i64) = {
+        let r = c
+            .query_one(
+                "SELECT outcome, seq FROM outbox_group_take_held('g', 'order', 'k')",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(taken, ("duplicate".to_owned(), 4));
+    let late: Vec<(i64, i64)> = c
+        .query(
+            "SELECT expected_seq, got_seq FROM outbox_inbox_gaps WHERE action = 'late'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        late,
+        [(6, 4)],
+        "the held 4 is recorded late, not dropped silently"
+    );
+}
