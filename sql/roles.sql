@@ -208,6 +208,7 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_group_dead', :'consumer_role'),
     ('outbox_group_releasable', :'consumer_role'),
     ('outbox_group_take_held', :'consumer_role'),
+    ('outbox_group_park', :'consumer_role'),
     ('outbox_consumer_release', :'consumer_role'),
     ('outbox_budget_set', :'consumer_role'),
     ('outbox_budget_reserve', :'consumer_role'),

@@ -438,7 +438,7 @@ $$;
 
 CREATE FUNCTION public.outbox_contract_version() RETURNS integer
     LANGUAGE sql STABLE PARALLEL SAFE
-    AS $$ SELECT 17 $$;
+    AS $$ SELECT 19 $$;
 
 --
 -- Name: outbox_effect_cancel(text); Type: FUNCTION; Schema: public; Owner: -
@@ -957,6 +957,44 @@ CREATE FUNCTION public.outbox_group_leave(p_consumer text, p_member text) RETURN
 $$;
 
 --
+-- Name: outbox_group_park(text, integer, uuid, text, text, bigint, text, text, jsonb, bytea, bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_group_park(p_consumer text, p_partition integer, p_event_id uuid, p_aggregate_type text, p_aggregate_id text, p_seq bigint, p_event_type text, p_routing_key text, p_headers jsonb, p_body bytea, p_after bigint) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'public'
+    AS $$
+DECLARE
+    k outbox_inbox_keys%ROWTYPE;
+BEGIN
+    IF p_seq IS NULL OR p_after IS NULL OR p_seq <= p_after THEN
+        RAISE EXCEPTION 'a parked event''s seq (%) must be above the seq it waits for (%)', p_seq, p_after
+            USING ERRCODE = '22023';
+    END IF;
+    INSERT INTO outbox_inbox_keys (consumer, aggregate_type, aggregate_id)
+    VALUES (p_consumer, p_aggregate_type, p_aggregate_id)
+    ON CONFLICT DO NOTHING;
+    SELECT * INTO k FROM outbox_inbox_keys ik
+     WHERE ik.consumer = p_consumer AND ik.aggregate_type = p_aggregate_type
+       AND ik.aggregate_id = p_aggregate_id
+       FOR UPDATE;
+    IF p_seq <= k.last_seq OR EXISTS (
+        SELECT 1 FROM outbox_inbox i WHERE i.consumer = p_consumer AND i.event_id = p_event_id
+    ) THEN
+        RETURN (SELECT r.outcome FROM outbox_group_record(p_consumer, p_partition, p_event_id,
+                    p_aggregate_type, p_aggregate_id, p_seq, p_event_type, p_routing_key,
+                    p_headers, p_body) r);
+    END IF;
+    INSERT INTO outbox_inbox_held (consumer, partition, aggregate_type, aggregate_id, seq,
+                                   event_id, event_type, routing_key, headers, body, parked_after)
+    VALUES (p_consumer, p_partition, p_aggregate_type, p_aggregate_id, p_seq,
+            p_event_id, p_event_type, p_routing_key, coalesce(p_headers, '{}'), p_body, p_after)
+    ON CONFLICT DO NOTHING;
+    RETURN 'parked';
+END
+$$;
+
+--
 -- Name: outbox_group_record(text, integer, uuid, text, text, bigint, text, text, jsonb, bytea); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -996,10 +1034,13 @@ BEGIN
         RETURN QUERY SELECT 'duplicate'::text, k.last_seq;
         RETURN;
     END IF;
+    -- Held: the key is blocked, or has a held event with a lower seq to wait behind. An
+    -- event below every held one was still unacked when its key's later events were parked:
+    -- it goes before them.
     IF k.blocked_seq IS NOT NULL OR EXISTS (
         SELECT 1 FROM outbox_inbox_held h
          WHERE h.consumer = p_consumer AND h.aggregate_type = p_aggregate_type
-           AND h.aggregate_id = p_aggregate_id
+           AND h.aggregate_id = p_aggregate_id AND h.seq < p_seq
     ) THEN
         INSERT INTO outbox_inbox_held (consumer, partition, aggregate_type, aggregate_id, seq,
                                        event_id, event_type, routing_key, headers, body)
@@ -1028,6 +1069,10 @@ CREATE FUNCTION public.outbox_group_releasable(p_consumer text, p_partitions int
        AND k.aggregate_type = h.aggregate_type AND k.aggregate_id = h.aggregate_id
      WHERE h.consumer = p_consumer AND h.partition = ANY (p_partitions)
        AND k.blocked_seq IS NULL
+       AND (h.parked_after IS NULL OR k.last_seq >= h.parked_after)
+       AND NOT EXISTS (SELECT 1 FROM outbox_inbox_held e
+                        WHERE e.consumer = h.consumer AND e.aggregate_type = h.aggregate_type
+                          AND e.aggregate_id = h.aggregate_id AND e.seq < h.seq)
 $$;
 
 --
@@ -1057,12 +1102,26 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
+    IF h.parked_after IS NOT NULL AND k.last_seq < h.parked_after THEN
+        RETURN;
+    END IF;
     DELETE FROM outbox_inbox_held hh
      WHERE hh.consumer = p_consumer AND hh.aggregate_type = p_aggregate_type
        AND hh.aggregate_id = p_aggregate_id AND hh.seq = h.seq;
-    IF h.seq <= k.last_seq OR EXISTS (
+    IF EXISTS (
         SELECT 1 FROM outbox_inbox i WHERE i.consumer = p_consumer AND i.event_id = h.event_id
     ) THEN
+        v_outcome := 'duplicate';
+    ELSIF h.seq <= k.last_seq THEN
+        -- Held, and its key went past it meanwhile (a later event dead-lettered with
+        -- continue, or applied): never seen, so recorded as late, as outbox_group_record
+        -- records such an event (0014), never dropped silently.
+        INSERT INTO outbox_inbox_gaps
+            (consumer, aggregate_type, aggregate_id, expected_seq, got_seq, event_id, action)
+        SELECT p_consumer, p_aggregate_type, p_aggregate_id, k.last_seq + 1, h.seq, h.event_id, 'late'
+         WHERE NOT EXISTS (SELECT 1 FROM outbox_inbox_gaps g
+                            WHERE g.consumer = p_consumer AND g.event_id = h.event_id
+                              AND g.action = 'late');
         v_outcome := 'duplicate';
     ELSE
         v_outcome := outbox_group_advance(p_consumer, h.event_id, p_aggregate_type,
@@ -1850,8 +1909,15 @@ CREATE TABLE public.outbox_inbox_held (
     routing_key text NOT NULL,
     headers jsonb DEFAULT '{}'::jsonb NOT NULL,
     body bytea NOT NULL,
-    held_at timestamp with time zone DEFAULT now() NOT NULL
+    held_at timestamp with time zone DEFAULT now() NOT NULL,
+    parked_after bigint
 );
+
+--
+-- Name: COLUMN outbox_inbox_held.parked_after; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.outbox_inbox_held.parked_after IS 'a parked event: the highest seq of its key still unacked in the member''s hand when it was parked; it is applied once the key''s last_seq reaches it (NULL: held behind a blocked key or an earlier held event)';
 
 --
 -- Name: outbox_inbox_keys; Type: TABLE; Schema: public; Owner: -

@@ -118,6 +118,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0018_replay.sql",
         sql: include_str!("../sql/0018_replay.sql"),
     },
+    Migration {
+        version: 19,
+        name: "0019_parked_events.sql",
+        sql: include_str!("../sql/0019_parked_events.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

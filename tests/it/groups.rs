@@ -621,6 +621,86 @@ async fn a_transient_failure_holds_only_its_key() {
     kit::delete_group_topology(&cfg).await;
 }
 
+/// The numbers of the report that found it: one partition, prefetch 8, key A's first event
+/// failing transiently with 24 more of A's events queued behind it, then 20 events of key
+/// B. A's later events must not fill the partition's window: B is applied while A/1 still
+/// fails (before, none of B was applied in 30 s), A's parked events wait in the database,
+/// and once A/1 goes through A is applied 1..25 in order, with no jump recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_key_with_more_events_queued_than_the_prefetch_holds_only_itself() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = group_config(&ex, 1);
+    assert_eq!(cfg.prefetch.get(), 8);
+    cfg.max_attempts = std::num::NonZeroU32::new(200);
+    let handler = Scripted::new("m");
+    handler.stuck.store(true, Ordering::SeqCst);
+    let running = Running::start(&db, cfg.clone(), handler.clone());
+    wait_group_ready(&cfg).await;
+    let publisher = RawPublisher::new(&ex).await;
+    publisher
+        .publish(&RawEvent::new("A", 1, json!({"stuck": true})))
+        .await;
+    for seq in 2..=25 {
+        publisher.publish(&RawEvent::new("A", seq, json!({}))).await;
+    }
+    for seq in 1..=20 {
+        publisher.publish(&RawEvent::new("B", seq, json!({}))).await;
+    }
+    wait_for(
+        "B applied 1..20 while A/1 fails",
+        Duration::from_secs(30),
+        || async {
+            (applied(&client).await.get("B") == Some(&(1..=20).collect::<Vec<i64>>())).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        handler.stuck_attempts.load(Ordering::SeqCst) >= 1,
+        "A/1 was tried"
+    );
+    assert!(
+        !applied(&client).await.contains_key("A"),
+        "nothing of A goes before A/1"
+    );
+    let parked: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_inbox_held WHERE aggregate_id = 'A'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(parked > 0, "A's later events wait in the database");
+    handler.stuck.store(false, Ordering::SeqCst);
+    wait_for("A applied 1..25", Duration::from_secs(30), || async {
+        (applied(&client).await.get("A") == Some(&(1..=25).collect::<Vec<i64>>())).then_some(())
+    })
+    .await;
+    let (held, jumps): (i64, i64) = {
+        let r = client
+            .query_one(
+                "SELECT (SELECT count(*) FROM outbox_inbox_held),
+                        (SELECT count(*) FROM outbox_inbox_gaps)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((held, jumps), (0, 0), "nothing left held, no jump");
+    wait_for(
+        "the partition queue empty",
+        Duration::from_secs(20),
+        || async { (queue_depth(&cfg.partition_queue(0)).await == 0).then_some(()) },
+    )
+    .await;
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
 /// (last_seq, blocked_seq, held events) of key `order/<key>`; zeros before its first record.
 async fn key_state(client: &Client, consumer: &str, key: &str) -> (i64, Option<i64>, i64) {
     let Some(r) = client
@@ -974,6 +1054,259 @@ async fn a_seq_jump_is_applied_at_once_and_recorded() {
     kit::delete_group_topology(&cfg).await;
 }
 
+/// A partition queue that is gone: the router's copies for it come back (`mandatory`)
+/// and are retried, never acked away into the dead-letter queue (before, the route
+/// exchange's alternate exchange took them and the intake was acked); and the other
+/// partition goes on meanwhile (before, any failed copy ended the router for every key).
+/// Once the queue is back, the held key is applied in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn copies_for_a_missing_partition_queue_are_retried_while_the_others_flow() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = group_config(&ex, 2);
+    declare_group(&db, &cfg).await;
+    // A member that declares nothing, so that the queue stays gone until the test says.
+    cfg.declare = false;
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let key_in = |p: u16| {
+        (0..)
+            .map(|i| format!("k{i}"))
+            .find(|k| cfg.partition_of("order", k) == p)
+            .unwrap()
+    };
+    let (live, gone) = (key_in(0), key_in(1));
+    let conn = AmqpTarget::parse(&amqp_url())
+        .unwrap()
+        .connect("outbox-it-missing")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let rpc = Duration::from_secs(15);
+    let p1 = cfg.partition_queue(1);
+    tokio::time::timeout(rpc, ch.queue_delete(p1.as_str().into(), Default::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    let publisher = RawPublisher::new(&ex).await;
+    for seq in 1..=3 {
+        publisher
+            .publish(&RawEvent::new(&gone, seq, json!({})))
+            .await;
+    }
+    for seq in 1..=3 {
+        publisher
+            .publish(&RawEvent::new(&live, seq, json!({})))
+            .await;
+    }
+    wait_for(
+        "the other partition's key applied",
+        Duration::from_secs(30),
+        || async { (applied(&client).await.get(&live) == Some(&vec![1, 2, 3])).then_some(()) },
+    )
+    .await;
+    // Long enough for the router to have tried the gone partition's copies several times.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!applied(&client).await.contains_key(&gone));
+    assert!(
+        dead.all().is_empty(),
+        "no copy went to the dead-letter queue: {:?}",
+        dead.all()
+    );
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("classic".into()),
+    );
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(format!("{}.dlx", cfg.queue).into()),
+    );
+    tokio::time::timeout(
+        rpc,
+        ch.queue_declare(
+            p1.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let _ = tokio::time::timeout(rpc, conn.close(200, "ok".into())).await;
+    wait_for(
+        "the held key applied once its queue is back",
+        Duration::from_secs(30),
+        || async { (applied(&client).await.get(&gone) == Some(&vec![1, 2, 3])).then_some(()) },
+    )
+    .await;
+    assert!(dead.all().is_empty(), "{:?}", dead.all());
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// `rabbitmqctl` with a deadline.
+async fn ctl(args: &[&str]) -> String {
+    tokio::time::timeout(Duration::from_secs(60), rabbitmqctl(args))
+        .await
+        .unwrap_or_else(|_| panic!("rabbitmqctl {args:?} within 60 s"))
+}
+
+/// A vhost of the test's own, deleted when dropped.
+struct Vhost(String);
+
+impl Drop for Vhost {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["-t", "30", "delete_vhost", &self.0])
+            .output();
+    }
+}
+
+/// (name, type, consumers) of the queues of `vhost` whose name starts with `prefix`.
+async fn queue_types(vhost: &str, prefix: &str) -> Vec<(String, String, u32)> {
+    let listing = ctl(&[
+        "list_queues",
+        "-q",
+        "--no-table-headers",
+        "-p",
+        vhost,
+        "name",
+        "type",
+        "consumers",
+    ])
+    .await;
+    let mut queues: Vec<(String, String, u32)> = listing
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (name, kind, consumers) = (f.next()?, f.next()?, f.next()?);
+            name.starts_with(prefix).then(|| {
+                (
+                    name.to_owned(),
+                    kind.to_owned(),
+                    consumers.parse().unwrap_or(0),
+                )
+            })
+        })
+        .collect();
+    queues.sort();
+    queues
+}
+
+/// On a vhost whose default queue type is quorum (`rabbitmqctl add_vhost NAME
+/// --default-queue-type quorum`), a group's intake and partition queues are still classic
+/// (before, they silently became quorum queues: a delivery limit, returns to the tail) and
+/// the group works. A partition queue an earlier version left there as a quorum queue is
+/// refused at start-up, naming the argument, instead of being used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn group_queues_stay_classic_on_a_vhost_whose_default_is_quorum() {
+    let vhost = unique("it.quorum").replace('_', ".");
+    ctl(&["add_vhost", &vhost, "--default-queue-type", "quorum"]).await;
+    let _gone = Vhost(vhost.clone());
+    ctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]).await;
+    let base = amqp_url();
+    let url = format!("{}/{vhost}", &base[..base.rfind('/').unwrap()]);
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 2);
+    let deps = || ConsumerDeps {
+        pool: db.target.pool(&db.schema, "outbox-it-consumer", 32),
+        amqp: AmqpTarget::parse(&url).unwrap(),
+    };
+    let running = Running::start_with(deps(), cfg.clone(), Scripted::new("m"));
+    let queues = wait_for(
+        "the group consumes its intake and partitions",
+        Duration::from_secs(60),
+        || async {
+            let q = queue_types(&vhost, &cfg.queue).await;
+            let consumed = q
+                .iter()
+                .filter(|(name, _, consumers)| !name.ends_with(".dlq") && *consumers > 0)
+                .count();
+            (consumed == 3).then_some(q)
+        },
+    )
+    .await;
+    let group: Vec<(&str, &str)> = queues
+        .iter()
+        .filter(|(name, _, _)| !name.ends_with(".dlq"))
+        .map(|(name, kind, _)| (name.as_str(), kind.as_str()))
+        .collect();
+    let (intake, p0, p1) = (
+        cfg.intake_queue(),
+        cfg.partition_queue(0),
+        cfg.partition_queue(1),
+    );
+    assert_eq!(
+        group,
+        [
+            (intake.as_str(), "classic"),
+            (p0.as_str(), "classic"),
+            (p1.as_str(), "classic")
+        ]
+    );
+    let publisher = RawPublisher::on(&url, &ex).await;
+    publisher.publish(&RawEvent::new("q", 1, json!({}))).await;
+    wait_for("the event applied", Duration::from_secs(30), || async {
+        (applied(&client).await.get("q") == Some(&vec![1])).then_some(())
+    })
+    .await;
+    running.stop().await;
+
+    // An earlier version's partition queue, made quorum by the vhost's default.
+    let conn = AmqpTarget::parse(&url)
+        .unwrap()
+        .connect("outbox-it-quorum")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let rpc = Duration::from_secs(15);
+    // The arguments an earlier version declared it with: no x-queue-type.
+    let mut earlier = FieldTable::default();
+    earlier.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    earlier.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(format!("{}.dlx", cfg.queue).into()),
+    );
+    tokio::time::timeout(rpc, ch.queue_delete(p1.as_str().into(), Default::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(
+        rpc,
+        ch.queue_declare(
+            p1.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            earlier,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let _ = tokio::time::timeout(rpc, conn.close(200, "ok".into())).await;
+    let r = Running::start_with(deps(), cfg.clone(), Scripted::new("m"));
+    let err = tokio::time::timeout(Duration::from_secs(30), r.handle)
+        .await
+        .expect("refused within 30 s")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, ConsumerError::Topology(_)), "{err}");
+    assert!(err.to_string().contains("x-queue-type"), "{err}");
+}
+
 /// Starts a member that must end at once with an error; the error.
 async fn refused(db: &TestDb, cfg: &ConsumerConfig) -> ConsumerError {
     let r = Running::start(db, cfg.clone(), Scripted::new("m"));
@@ -1048,7 +1381,12 @@ async fn unsupported_bindings_and_a_changed_partition_count_are_refused() {
 
 /// The channel numbers the broker lists for the connection named `name`.
 async fn channel_numbers(name: &str) -> Vec<u32> {
-    let conns = rabbitmqctl(&[
+    channels(name).await.into_iter().map(|(n, _)| n).collect()
+}
+
+/// (number, in confirm mode) of each channel of the connection named exactly `name`.
+async fn channels(name: &str) -> Vec<(u32, bool)> {
+    let conns = ctl(&[
         "list_connections",
         "-q",
         "--no-table-headers",
@@ -1056,26 +1394,70 @@ async fn channel_numbers(name: &str) -> Vec<u32> {
         "client_properties",
     ])
     .await;
+    let named = format!("{{\"connection_name\",\"{name}\"}}");
     let Some(pid) = conns
         .lines()
-        .find(|l| l.contains(name))
+        .find(|l| l.contains(&named))
         .and_then(|l| l.split_whitespace().next())
     else {
         return Vec::new();
     };
-    let chans = rabbitmqctl(&[
+    let chans = ctl(&[
         "list_channels",
         "-q",
         "--no-table-headers",
         "connection",
         "number",
+        "confirm",
     ])
     .await;
     chans
         .lines()
         .filter(|l| l.starts_with(pid))
-        .filter_map(|l| l.split_whitespace().last()?.parse().ok())
+        .filter_map(|l| {
+            let mut f = l.split_whitespace().skip(1);
+            Some((f.next()?.parse().ok()?, f.next()? == "true"))
+        })
         .collect()
+}
+
+/// An ordered group's dead letters go out on a connection of their own, not on the one
+/// its partition consumers ack on: a broker under a memory or disk alarm blocks a
+/// connection that publishes, and with it those acks. The member's own connection has no
+/// confirm-mode channel; its dead-letter connection has one, and a poison event is
+/// dead-lettered through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_go_out_on_a_connection_of_their_own() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 1);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let poison = RawEvent::new("x", 1, json!({"poison": true}));
+    RawPublisher::new(&ex).await.publish(&poison).await;
+    wait_for(
+        "the poison dead-lettered",
+        Duration::from_secs(30),
+        || async { dead.all().into_iter().next() },
+    )
+    .await;
+    let own = channels(&cfg.connection_name).await;
+    assert!(!own.is_empty(), "the member's connection is listed");
+    assert!(
+        own.iter().all(|(_, confirm)| !confirm),
+        "no publishing channel beside the partition consumers: {own:?}"
+    );
+    let letters = channels(&format!("{} dead letters", cfg.connection_name)).await;
+    assert_eq!(
+        letters.iter().filter(|(_, confirm)| *confirm).count(),
+        1,
+        "{letters:?}"
+    );
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
 }
 
 /// The broker nacks every dead-letter copy (a queue bound to the dead-letter exchange
@@ -1091,7 +1473,8 @@ async fn a_publish_channel_that_only_nacks_is_replaced() {
     let cfg = group_config(&ex, 1);
     let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
     wait_group_ready(&cfg).await;
-    let before = channel_numbers(&cfg.connection_name).await;
+    let letters = format!("{} dead letters", cfg.connection_name);
+    let before = channel_numbers(&letters).await;
     assert!(!before.is_empty(), "no channels listed for the runner");
 
     let conn = AmqpTarget::parse(&amqp_url())
@@ -1128,7 +1511,7 @@ async fn a_publish_channel_that_only_nacks_is_replaced() {
         "a new publish channel after nacks only",
         Duration::from_secs(30),
         || async {
-            let now = channel_numbers(&cfg.connection_name).await;
+            let now = channel_numbers(&letters).await;
             now.iter().any(|n| *n > max_before).then_some(())
         },
     )
@@ -1291,4 +1674,70 @@ async fn the_sql_functions_alone_give_the_group_rules() {
     let seqs: Vec<i64> = outcomes.iter().map(|(s, _)| *s).collect();
     assert_eq!(seqs, [1, 3, 4, 5, 6, 7, 8]);
     assert_eq!(outcomes[2].1, "dead");
+}
+
+/// A held event its key went past meanwhile (a later event of the key dead-lettered with
+/// continue while it was held) is recorded as late when it is taken, as the inbox check
+/// records such an event (before, it was taken for a duplicate without a record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_event_its_key_went_past_is_recorded_late() {
+    let db = TestDb::new().await;
+    let c = db.client().await;
+    let ids: Vec<uuid::Uuid> = (0..6).map(|_| kit::fresh_uuid()).collect();
+    let record = |seq: i64, id: uuid::Uuid| {
+        let c = &c;
+        async move {
+            c.query_one(
+                "SELECT outcome FROM outbox_group_record('g', 0, $1, 'order', 'k', $2, 'created', 'order.created', '{}', '\\x7b7d')",
+                &[&id, &seq],
+            )
+            .await
+            .unwrap()
+            .get::<_, String>(0)
+        }
+    };
+    let dead = |seq: i64, id: uuid::Uuid, block: bool| {
+        let c = &c;
+        async move {
+            c.execute(
+                "SELECT outbox_group_dead('g', $1, 'order', 'k', $2, 'poison', $3)",
+                &[&id, &seq, &block],
+            )
+            .await
+            .unwrap();
+        }
+    };
+    assert_eq!(record(1, ids[1]).await, "apply");
+    dead(2, ids[2], true).await;
+    assert_eq!(record(4, ids[4]).await, "held");
+    dead(5, ids[5], false).await;
+    c.execute("SELECT outbox_consumer_release('g', 'order', 'k')", &[])
+        .await
+        .unwrap();
+    let taken: (String, i64) = {
+        let r = c
+            .query_one(
+                "SELECT outcome, seq FROM outbox_group_take_held('g', 'order', 'k')",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(taken, ("duplicate".to_owned(), 4));
+    let late: Vec<(i64, i64)> = c
+        .query(
+            "SELECT expected_seq, got_seq FROM outbox_inbox_gaps WHERE action = 'late'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        late,
+        [(6, 4)],
+        "the held 4 is recorded late, not dropped silently"
+    );
 }

@@ -88,3 +88,21 @@ pub(crate) fn republish_failed(consumer: &str, error: &dyn std::fmt::Display) {
 pub(crate) fn router_ended(consumer: &str, why: &str) {
     warn!(target: "outbox_relay::consumer", consumer, why, "group router ended; its unacked intake messages go back to the intake and a router starts again");
 }
+
+pub(crate) fn key_parked(
+    consumer: &str,
+    partition: u16,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    events: usize,
+) {
+    info!(target: "outbox_relay::consumer", consumer, partition, aggregate_type, aggregate_id, events, "a key's later events were parked in outbox_inbox_held while its earlier ones were in hand; they are applied next, in seq order");
+}
+
+pub(crate) fn park_failed(consumer: &str, partition: u16, error: &str) {
+    warn!(target: "outbox_relay::consumer", consumer, partition, error, "could not park a key's later event; it waits in memory instead");
+}
+
+pub(crate) fn copy_failed(consumer: &str, why: &str) {
+    warn!(target: "outbox_relay::consumer", consumer, why, "the group router could not put a copy in its partition queue; retrying it with backoff while its key waits and other keys go on");
+}

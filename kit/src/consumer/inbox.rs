@@ -7,10 +7,12 @@
 //! transactions recording the same event (or the same key, in a group) serialize on a row
 //! lock, so only one gets to apply. In a group a seq at or below the key's last is a
 //! duplicate, a higher one is applied (a jump is recorded, never waited for), and a blocked
-//! key's events are held in the database. Key rows are never deleted (retention would
+//! key's events are held in the database, and so are a failing key's later events parked to
+//! keep its partition's prefetch window open ([`park`]). Key rows are never deleted (retention would
 //! restart a key at seq 1).
 
 use tokio_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use crate::db::{DbError, deadline};
@@ -20,6 +22,7 @@ const DEAD: &str = "SELECT outbox_inbox_dead($1, $2, $3, $4, $5, $6, $7)";
 const GROUP_RECORD: &str =
     "SELECT outcome FROM outbox_group_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 const GROUP_DEAD: &str = "SELECT outbox_group_dead($1, $2, $3, $4, $5, $6, $7)";
+const PARK: &str = "SELECT outbox_group_park($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 const RELEASE: &str = "SELECT outbox_consumer_release($1, $2, $3)";
 const RELEASABLE: &str = "SELECT aggregate_type, aggregate_id FROM outbox_group_releasable($1, $2)";
 const TAKE_HELD: &str = "SELECT outcome, event_id, seq, event_type, routing_key, headers, body \
@@ -154,30 +157,67 @@ pub struct HeldEvent<'a> {
     pub body: &'a [u8],
 }
 
+/// Runs `sql` with the consumer and the held event as its first ten parameters (the order
+/// of `outbox_group_record` and `outbox_group_park`), then `extra`.
+async fn query_held(
+    client: &impl GenericClient,
+    sql: &str,
+    consumer: &str,
+    held: &HeldEvent<'_>,
+    extra: &[&(dyn ToSql + Sync)],
+) -> Result<tokio_postgres::Row, DbError> {
+    let e = &held.event;
+    let partition = i32::from(held.partition);
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![
+        &consumer,
+        &partition,
+        &e.event_id,
+        &e.aggregate_type,
+        &e.aggregate_id,
+        &e.seq,
+        &held.event_type,
+        &held.routing_key,
+        held.headers,
+        &held.body,
+    ];
+    params.extend_from_slice(extra);
+    deadline(client.query_one(sql, &params)).await
+}
+
 /// Records a delivery of an ordered group's partition queue in `tx` and says what to do.
 pub async fn record_in_group(
     tx: &impl GenericClient,
     consumer: &str,
     held: &HeldEvent<'_>,
 ) -> Result<GroupAdmission, DbError> {
-    let e = &held.event;
-    let row = deadline(tx.query_one(
-        GROUP_RECORD,
-        &[
-            &consumer,
-            &i32::from(held.partition),
-            &e.event_id,
-            &e.aggregate_type,
-            &e.aggregate_id,
-            &e.seq,
-            &held.event_type,
-            &held.routing_key,
-            held.headers,
-            &held.body,
-        ],
-    ))
-    .await?;
+    let row = query_held(tx, GROUP_RECORD, consumer, held, &[]).await?;
     Ok(GroupAdmission::parse(row.get(0)))
+}
+
+/// What [`park`] did with an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Parked {
+    /// Stored in `outbox_inbox_held` behind the key's events up to `after`: ack it.
+    Parked,
+    /// The key already has it (or a later event; recorded as late when never seen): ack it.
+    Duplicate,
+}
+
+/// Parks a delivery of an ordered group (`outbox_group_park`): stores it in
+/// `outbox_inbox_held`, where it waits until the key has applied or dead-lettered every seq
+/// up to `after` (the last of the key's events still unacked in the caller's hand), then is
+/// applied in seq order. Commits on its own; ack the delivery after it returned.
+pub async fn park(
+    client: &impl GenericClient,
+    consumer: &str,
+    held: &HeldEvent<'_>,
+    after: i64,
+) -> Result<Parked, DbError> {
+    let row = query_held(client, PARK, consumer, held, &[&after]).await?;
+    Ok(match row.get::<_, &str>(0) {
+        "parked" => Parked::Parked,
+        _ => Parked::Duplicate,
+    })
 }
 
 /// Records an ordered group's event sent to the dead-letter exchange: later copies are

@@ -174,8 +174,10 @@ impl ConsumerConfig {
         format!("{}.intake", self.queue)
     }
 
-    /// The direct exchange the router publishes to; each partition queue is bound to it
-    /// with its own name. Its alternate exchange is the dead-letter exchange.
+    /// The direct exchange earlier versions' routers published to; each partition queue is
+    /// bound to it with its own name, and its alternate exchange is the dead-letter exchange.
+    /// Still declared for those routers during an upgrade; this version's router publishes
+    /// to the partition queue by name with `mandatory`, so a copy nobody takes comes back.
     pub fn route_exchange(&self) -> String {
         format!("{}.route", self.queue)
     }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::Connection;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -30,8 +30,9 @@ use crate::amqp::AmqpTarget;
 use crate::consumer::{events, inbox};
 use crate::db::{DbError, deadline};
 
-use super::process::{GroupCx, Shared, apply_held};
+use super::process::{GroupCx, apply_held};
 use super::session::Ended;
+use super::settle::Shared;
 use super::{Handler, Ordered};
 
 const BEAT: &str = "SELECT m FROM outbox_group_beat($1, $2, $3) AS m";
@@ -91,6 +92,8 @@ pub(super) async fn run<H: Handler>(
     let cfg = shared.cfg.clone();
     let ordered: &Ordered = cfg.ordered.as_ref().expect("a group is ordered");
     let permits = Arc::new(Semaphore::new(usize::from(cfg.prefetch.get())));
+    // A partition whose lane with parked events emptied asks for a drain at once.
+    let drain_now = Arc::new(Notify::new());
     let mut owned: HashMap<u16, Owned> = HashMap::new();
     let mut tasks: FuturesUnordered<JoinHandle<(u16, Result<(), String>)>> =
         FuturesUnordered::new();
@@ -130,6 +133,7 @@ pub(super) async fn run<H: Handler>(
             }
             _ = beat.tick(), if !stopping.is_cancelled() => Wake::Beat,
             _ = drain_tick.tick(), if !stopping.is_cancelled() && drain.is_none() => Wake::Drain,
+            _ = drain_now.notified(), if !stopping.is_cancelled() && drain.is_none() => Wake::Drain,
         };
         match wake {
             Wake::Stop => {
@@ -204,6 +208,7 @@ pub(super) async fn run<H: Handler>(
                         conn.clone(),
                         p,
                         permits.clone(),
+                        drain_now.clone(),
                         stop,
                     );
                     let handle = tokio::spawn(async move { (p, task.await) });

@@ -15,7 +15,7 @@ use crate::contract::headers::{
     ROUTING_KEY as H_ROUTING_KEY, SEQ as H_SEQ,
 };
 
-use super::HandlerError;
+use super::error::HandlerError;
 
 /// One delivered event, as a handler sees it (no lapin types).
 #[derive(Clone, Debug)]
@@ -67,6 +67,11 @@ pub(super) fn key_of(d: &Delivery) -> Option<(String, String)> {
         header_string(d, H_AGGREGATE_TYPE)?,
         header_string(d, H_AGGREGATE_ID)?,
     ))
+}
+
+/// The seq header of a delivery (`x-outbox-seq`), read before parsing.
+pub(super) fn seq_of(d: &Delivery) -> Option<i64> {
+    header_i64(d, H_SEQ)
 }
 
 pub(super) fn original_routing_key(d: &Delivery) -> String {

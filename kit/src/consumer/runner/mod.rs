@@ -27,7 +27,9 @@
 //! queue's key lanes), `message` (a
 //! delivery's headers parsed into a [`Message`]), `process` (the inbox transaction around
 //! the [`Handler`], in-place retries), `settle` (ack, retry tier, dead letter, each copy
-//! published with a confirm on a channel replaced when it only nacks).
+//! published with a confirm on a channel replaced when it only nacks; and `Shared`, what
+//! every message task shares), `handler` and `error` (what the user implements and what it
+//! returns). No two of these files import each other, directly or in a circle.
 //!
 //! Invariants: a message is acked only after the inbox transaction committed, or after its
 //! copy was confirmed by the broker in a retry queue or the dead-letter exchange. A graceful
@@ -35,6 +37,7 @@
 //! Only this module (and its children) knows lapin; handlers get [`Message`].
 
 mod config;
+mod error;
 mod group;
 mod handler;
 mod lone_router;
@@ -60,13 +63,14 @@ use crate::consumer::inbox;
 use crate::contract::ConfigError;
 
 pub use config::{ConsumerConfig, OnDead, Ordered};
-pub use handler::{Context, Handler, HandlerError};
+pub use error::HandlerError;
+pub use handler::{Context, Handler};
 pub use lone_router::{DepthProbe, GroupDepths, GroupRouter};
 pub use message::Message;
 
-use process::Shared;
 use session::{Ended, Opened, Session};
 use settle::Publisher;
+use settle::Shared;
 
 /// The deadline of one broker round trip made while settling or stopping (ack, nack,
 /// cancel, a publish and its confirm).
@@ -122,6 +126,43 @@ async fn join_group(pool: &Pool, cfg: &ConsumerConfig) -> Result<(), Option<Cons
     }
 }
 
+/// Opens an ordered group's dead-letter connection and its confirm channel; its loss ends
+/// the session (`lost`), so that the next one opens both again.
+async fn dead_letter_connection(
+    amqp: &AmqpTarget,
+    cfg: &ConsumerConfig,
+    lost: &CancellationToken,
+) -> Result<(Arc<lapin::Connection>, lapin::Channel), String> {
+    let conn = amqp
+        .connect(&format!("{} dead letters", cfg.connection_name))
+        .await
+        .map_err(|e| e.to_string())?;
+    let open = async {
+        let ch = crate::amqp::rpc("channel.open", conn.create_channel()).await?;
+        crate::amqp::rpc(
+            "confirm.select",
+            ch.confirm_select(lapin::options::ConfirmSelectOptions::default()),
+        )
+        .await?;
+        Ok::<_, crate::amqp::AmqpError>(ch)
+    };
+    let channel = match open.await {
+        Ok(ch) => ch,
+        Err(e) => {
+            crate::amqp::close_after_failed_setup(&conn).await;
+            return Err(e.to_string());
+        }
+    };
+    let (gone, watch) = (crate::amqp::connection_lost(&conn), lost.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = watch.cancelled() => {}
+            _ = gone => watch.cancel(),
+        }
+    });
+    Ok((Arc::new(conn), channel))
+}
+
 /// Runs the consumer until `shutdown` is cancelled; then finishes the messages in hand.
 pub async fn run<H: Handler>(
     deps: ConsumerDeps,
@@ -175,15 +216,31 @@ pub async fn run<H: Handler>(
                 }
             }
         };
+        // An ordered group's dead letters go out on a connection of their own: a broker
+        // under a memory or disk alarm blocks a connection that publishes, and with it the
+        // acks of the partition consumers on it (which free what the alarm is about).
+        let (publisher, dead_letters) = if let Some(channel) = session.publish.clone() {
+            (Publisher::new(session.conn.clone(), channel), None)
+        } else {
+            match dead_letter_connection(&deps.amqp, &cfg, &session.lost).await {
+                Ok((conn, channel)) => (Publisher::new(conn.clone(), channel), Some(conn)),
+                Err(e) => {
+                    session.close().await;
+                    let delay = backoff.next_delay();
+                    down.failed(&e, delay);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => continue,
+                        _ = tokio::time::sleep(delay) => continue,
+                    }
+                }
+            }
+        };
         down.recovered();
         backoff.reset();
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
             pool: deps.pool.clone(),
-            publisher: Mutex::new(Publisher::new(
-                session.conn.clone(),
-                session.publish.clone(),
-            )),
+            publisher: Mutex::new(publisher),
         });
         let ended = if cfg.ordered.is_some() {
             group::run(
@@ -200,6 +257,10 @@ pub async fn run<H: Handler>(
             session.consume(shared, handler.clone(), &shutdown).await
         };
         session.close().await;
+        if let Some(conn) = dead_letters {
+            let _ =
+                tokio::time::timeout(RPC_TIMEOUT, conn.close(200, "session ended".into())).await;
+        }
         match ended {
             Ended::Shutdown => {
                 events::stopped(&cfg.name);

@@ -2,12 +2,22 @@
 //! arrive in queue order and are dispatched by key into FIFO lanes; keys run concurrently
 //! (bounded by the instance's handler permits), a key's events strictly one after another.
 //!
+//! The channel's prefetch is the partition's window: at most that many of its events are
+//! unacked here. A key keeps at most [`key_bound`] events waiting in memory behind the one
+//! that runs; its later deliveries are parked (`outbox_group_park`: stored in
+//! `outbox_inbox_held` behind the last one still in hand, then acked), so a key whose event
+//! keeps failing holds its own lane and never the window of the partition's other keys.
+//! Parked events are applied in seq order once the key has applied everything it had in
+//! hand (the member's drain, woken when such a lane empties).
+//!
 //! Invariants: acks are per delivery tag, never `multiple`. The partition is given up by
 //! closing its channel once the events in hand are finished, never by `basic.cancel`
 //! (with single-active-consumer, a cancel activates the next consumer while this one still
 //! holds unacked messages). Events waiting in a lane when the partition is given up are
 //! not started: the channel's close returns them to the queue in their order. A lane whose
-//! event was abandoned starts none of its later events.
+//! event was abandoned starts none of its later events. A delivery is parked only behind
+//! an event of its key with a lower seq that is still in hand, and acked only after its
+//! park committed.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -17,14 +27,75 @@ use lapin::Connection;
 use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp;
+use crate::consumer::events;
+use crate::consumer::inbox::{self, HeldEvent, Parked};
+use crate::db::deadline;
 
-use super::message::key_of;
-use super::process::{GroupCx, Settled, Shared, process_in_group};
+use super::message::{key_of, parse, seq_of};
+use super::process::{GroupCx, Settled, process_in_group};
+use super::settle::{Shared, ack};
 use super::{Handler, RPC_TIMEOUT};
+
+/// How many of a key's events wait in memory behind the one that runs, at most: a quarter
+/// of the prefetch (at least one), so that a failing key leaves most of the partition's
+/// window to its other keys however many of its own events queue behind it.
+pub(super) fn key_bound(prefetch: u16) -> usize {
+    usize::from(prefetch / 4).max(1)
+}
+
+/// A lane's events in hand: those waiting behind the one that runs, the highest seq among
+/// all of them (the one a parked event waits for), and how many were parked.
+struct InHand {
+    waiting: VecDeque<Delivery>,
+    last_seq: Option<i64>,
+    parked: usize,
+}
+
+impl InHand {
+    fn new(d: &Delivery) -> InHand {
+        InHand {
+            waiting: VecDeque::new(),
+            last_seq: seq_of(d),
+            parked: 0,
+        }
+    }
+
+    fn keep(&mut self, d: Delivery) {
+        self.last_seq = self.last_seq.max(seq_of(&d));
+        self.waiting.push_back(d);
+    }
+
+    /// The seq a delivery would be parked behind, when the lane is full and the delivery
+    /// comes after everything in hand.
+    fn park_behind(&self, d: &Delivery, bound: usize) -> Option<i64> {
+        let after = self.last_seq?;
+        (self.waiting.len() >= bound && seq_of(d)? > after).then_some(after)
+    }
+}
+
+/// Stores `d` in `outbox_inbox_held` behind seq `after` of its key (one transaction).
+async fn park(shared: &Shared, p: u16, d: &Delivery, after: i64) -> Result<Parked, String> {
+    let msg = parse(d, true)?;
+    let headers = serde_json::Value::Object(msg.headers.clone());
+    let held = HeldEvent {
+        event: msg.event_ref(true),
+        partition: p,
+        event_type: &msg.event_type,
+        routing_key: &msg.routing_key,
+        headers: &headers,
+        body: &msg.body,
+    };
+    let client = deadline(shared.pool.get())
+        .await
+        .map_err(|e| e.to_string())?;
+    inbox::park(&**client, &shared.cfg.name, &held, after)
+        .await
+        .map_err(|e| e.to_string())
+}
 
 /// A lane: a key, or one delivery without a key (dead-lettered on its own).
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -41,6 +112,7 @@ pub(super) async fn consume<H: Handler>(
     conn: Arc<Connection>,
     p: u16,
     permits: Arc<Semaphore>,
+    drain_now: Arc<Notify>,
     stop: CancellationToken,
 ) -> Result<(), String> {
     let cfg = shared.cfg.clone();
@@ -79,8 +151,10 @@ pub(super) async fn consume<H: Handler>(
         permits: &permits,
         stop: &stop,
     };
-    let mut lanes: HashMap<Lane, VecDeque<Delivery>> = HashMap::new();
+    let bound = key_bound(cfg.prefetch.get());
+    let mut lanes: HashMap<Lane, InHand> = HashMap::new();
     let mut running = FuturesUnordered::new();
+    let mut parking = FuturesUnordered::new();
     let mut taking = true;
     let mut ended: Result<(), String> = Ok(());
     let run = |lane: Lane, d: Delivery| {
@@ -90,8 +164,15 @@ pub(super) async fn consume<H: Handler>(
             (lane, settled)
         }
     };
+    let park_one = |lane: Lane, d: Delivery, after: i64| {
+        let shared = &shared;
+        async move {
+            let parked: Result<Parked, String> = park(shared, p, &d, after).await;
+            (lane, d, parked)
+        }
+    };
     loop {
-        if !taking && running.is_empty() {
+        if !taking && running.is_empty() && parking.is_empty() {
             break;
         }
         tokio::select! {
@@ -99,7 +180,7 @@ pub(super) async fn consume<H: Handler>(
             _ = stop.cancelled(), if taking => taking = false,
             Some((lane, settled)) = running.next(), if !running.is_empty() => {
                 let next = if settled == Settled::Done && !stop.is_cancelled() {
-                    lanes.get_mut(&lane).and_then(VecDeque::pop_front)
+                    lanes.get_mut(&lane).and_then(|h| h.waiting.pop_front())
                 } else {
                     None
                 };
@@ -107,18 +188,48 @@ pub(super) async fn consume<H: Handler>(
                     Some(d) => running.push(run(lane, d)),
                     None => {
                         // Its waiting events (if any) go back to the queue with the channel.
-                        lanes.remove(&lane);
+                        if let Some(h) = lanes.remove(&lane)
+                            && h.parked > 0
+                        {
+                            if let Lane::Key(t, id) = &lane {
+                                events::key_parked(&cfg.name, p, t, id, h.parked);
+                            }
+                            // What it had in hand is done: its parked events may go now.
+                            drain_now.notify_one();
+                        }
                     }
                 }
             }
+            Some((lane, d, parked)) = parking.next(), if !parking.is_empty() => match parked {
+                Ok(Parked::Parked | Parked::Duplicate) => ack(&d).await,
+                Err::<_, String>(why) => {
+                    events::park_failed(&cfg.name, p, &why);
+                    if stop.is_cancelled() {
+                        // Unacked: it goes back to the queue with the channel.
+                    } else if let Some(h) = lanes.get_mut(&lane) {
+                        h.keep(d);
+                    } else {
+                        // Nothing of its key in hand any more: it runs (the inbox holds it
+                        // behind the key's parked events, if any).
+                        lanes.insert(lane.clone(), InHand::new(&d));
+                        running.push(run(lane, d));
+                    }
+                }
+            },
             d = consumer.next(), if taking => match d {
                 Some(Ok(d)) => {
                     let lane = key_of(&d)
                         .map_or(Lane::Alone(d.delivery_tag), |(t, id)| Lane::Key(t, id));
                     match lanes.get_mut(&lane) {
-                        Some(waiting) => waiting.push_back(d),
+                        Some(h) => match h.park_behind(&d, bound) {
+                            Some(after) => {
+                                h.parked += 1;
+                                parking.push(park_one(lane, d, after));
+                            }
+                            None => h.keep(d),
+                        },
                         None => {
-                            lanes.insert(lane.clone(), VecDeque::new());
+                            lanes.insert(lane.clone(), InHand::new(&d));
                             running.push(run(lane, d));
                         }
                     }
@@ -137,6 +248,7 @@ pub(super) async fn consume<H: Handler>(
         }
     }
     drop(running);
+    drop(parking);
     drop(lanes);
     // Never basic.cancel: closing the channel hands the partition over only now that
     // nothing of it is in hand.

@@ -18,12 +18,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use futures_util::FutureExt;
 use lapin::BasicProperties;
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::long_string;
@@ -32,23 +31,8 @@ use crate::consumer::inbox::{self, GroupAdmission, HeldEvent};
 use crate::db::deadline;
 
 use super::message::{original_routing_key, parse};
-use super::settle::{Publisher, ack, dead_letter, publish_dead, recorded_after_all, settle};
-use super::{ConsumerConfig, Context, Handler, HandlerError, Message, OnDead};
-
-/// What every message task shares.
-pub(super) struct Shared {
-    pub(super) cfg: Arc<ConsumerConfig>,
-    pub(super) pool: Pool,
-    /// One publish at a time, each awaited to its confirm: lapin pairs a returned message
-    /// with whichever confirm resolves next, so only a lone publish knows its own return.
-    pub(super) publisher: Mutex<Publisher>,
-}
-
-/// What the inbox transaction ended with.
-pub(super) enum Applied {
-    Done,
-    Duplicate,
-}
+use super::settle::{Applied, Shared, ack, dead_letter, publish_dead, recorded_after_all, settle};
+use super::{Context, Handler, HandlerError, Message, OnDead};
 
 /// Unordered mode: one message, start to ack. Never fails: what cannot be settled is
 /// nacked for redelivery.

@@ -16,28 +16,41 @@
 //! Invariants: a key has at most one copy in flight (published, not yet confirmed); its
 //! next event is published only after the broker confirmed the previous one, so its events
 //! enter the partition queue in intake order even when a publish fails. An intake delivery
-//! is acked only after its copy was confirmed. Any failure ends the router: the channel's
-//! close returns every unacked delivery to the intake in its order, and the next router
-//! publishes them again (a copy twice in a partition queue is a duplicate to the inbox).
-//! No `mandatory` flag: lapin pairs a returned message with whichever confirm resolves
-//! next, which with many publishes in flight can be another key's. The route exchange's
-//! alternate exchange (the group's dead-letter exchange) catches a copy whose partition
-//! queue was deleted, so it is never dropped unseen.
+//! is acked only after its copy was confirmed by the broker and not returned. A copy goes
+//! to its partition queue by name through the default exchange with `mandatory`, so a
+//! partition queue that is gone (or a copy nobody takes) comes back as a return, never
+//! lands in an alternate exchange unseen; a copy that is returned, nacked or not confirmed
+//! in time is published again after a backoff, holding its key (and only its key: other
+//! keys, and other partitions, go on). Only a lost connection or publish channel ends the
+//! router: the channel's close returns every unacked delivery to the intake in its order,
+//! and the next router publishes them again (a copy twice in a partition queue is a
+//! duplicate to the inbox).
+//!
+//! Returns: lapin hands a returned message to whichever confirm it resolves next, which
+//! with many copies in flight can be another key's. So each copy carries a number of its
+//! own (header [`COPY`]); every return seen is noted by that number, and a copy's fate is
+//! decided only after every confirm that had resolved by then was read (the broker sends a
+//! return before the confirm of the same publish).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
+use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use lapin::message::BasicReturnMessage;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Confirmation};
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{self, AmqpTarget};
+use crate::backoff::Backoff;
+use crate::consumer::events;
 
 use super::message::{key_of, original_routing_key};
 use super::settle::with_headers;
@@ -45,6 +58,24 @@ use super::{ConsumerConfig, RPC_TIMEOUT};
 
 /// Intake deliveries in hand at most (published or waiting behind their key).
 const PREFETCH: u16 = 512;
+
+/// The header that numbers a router's copies, to tell which one a return belongs to.
+pub const COPY: &str = "x-outbox-router-copy";
+
+/// A copy's retries: from this delay, doubling, up to [`RETRY_MAX`].
+const RETRY_MIN: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// One copy's end: its key and delivery, how many times it was tried, its number, what the
+/// broker said, and the number of a copy whose return came with this confirm.
+struct Copied {
+    key: Option<(String, String)>,
+    d: Delivery,
+    tries: u32,
+    id: u64,
+    sent: Result<(), String>,
+    returned: Option<u64>,
+}
 
 /// Routes until `stop` is cancelled or something fails; then waits for the copies in
 /// flight, acks those confirmed, and closes its channels. Returns why it ended when not
@@ -98,16 +129,37 @@ async fn route_on(
     };
     let (consume, publish, consumer) = open.await.map_err(|e| e.to_string())?;
     let mut consumer = std::pin::pin!(consumer);
-    let exchange = cfg.route_exchange();
     // Per key, the deliveries waiting for the one in flight to be confirmed.
     let mut waiting: HashMap<Option<(String, String)>, VecDeque<Delivery>> = HashMap::new();
     let mut flying = FuturesUnordered::new();
-    let copy = |key: Option<(String, String)>, d: Delivery| {
-        let (publish, exchange) = (&publish, &exchange);
+    // Numbers of copies the broker returned, until their own confirm is read.
+    let mut returned: HashSet<u64> = HashSet::new();
+    let mut numbers = 0u64..;
+    let copy = |key: Option<(String, String)>, d: Delivery, tries: u32, id: u64| {
+        let publish = &publish;
         async move {
             let p = key.as_ref().map_or(0, |(t, id)| cfg.partition_of(t, id));
-            let sent = forward(publish, exchange, &cfg.partition_queue(p), &d).await;
-            (key, d, sent)
+            let queue = cfg.partition_queue(p);
+            if tries > 0 {
+                let mut delay = Backoff::new(RETRY_MIN, RETRY_MAX);
+                let delay = (0..tries).map(|_| delay.next_delay()).last();
+                tokio::select! {
+                    _ = stop.cancelled() => {
+                        let sent = Err("stopping".to_owned());
+                        return Copied { key, d, tries, id, sent, returned: None };
+                    }
+                    _ = tokio::time::sleep(delay.unwrap_or(RETRY_MIN)) => {}
+                }
+            }
+            let (sent, returned) = forward(publish, &queue, &d, id).await;
+            Copied {
+                key,
+                d,
+                tries,
+                id,
+                sent,
+                returned,
+            }
         }
     };
     let mut taking = true;
@@ -123,28 +175,53 @@ async fn route_on(
                 taking = false;
                 ended = Err(why);
             }
-            Some((key, d, sent)) = flying.next(), if !flying.is_empty() => {
-                let (d, sent): (Delivery, Result<(), String>) = (d, sent);
-                if let Err(e) = sent {
-                    // Nothing more of this key (or any other) goes out; the close below
-                    // returns it and everything after it to the intake, in order.
-                    if ended.is_ok() {
-                        ended = Err(e);
-                    }
-                    taking = false;
-                    continue;
+            Some(first) = flying.next(), if !flying.is_empty() => {
+                // Every confirm resolved so far, so that a return that came with another
+                // copy's confirm is noted before its own copy is judged.
+                let mut batch: Vec<Copied> = vec![first];
+                while let Some(Some(c)) = flying.next().now_or_never() {
+                    batch.push(c);
                 }
-                // A failed ack only means the delivery comes back and is routed again.
-                let _ = tokio::time::timeout(RPC_TIMEOUT, d.acker.ack(BasicAckOptions::default())).await;
-                let next = if taking {
-                    waiting.get_mut(&key).and_then(VecDeque::pop_front)
-                } else {
-                    None
-                };
-                match next {
-                    Some(d) => flying.push(copy(key, d)),
-                    None => {
-                        waiting.remove(&key);
+                returned.extend(batch.iter().filter_map(|c: &Copied| c.returned));
+                for c in batch {
+                    let failed = match c.sent {
+                        Err(e) => Some(e),
+                        Ok(()) if returned.remove(&c.id) => Some(format!(
+                            "returned: no partition queue took the copy (is {} there?)",
+                            cfg.partition_queue(c.key.as_ref().map_or(0, |(t, id)| cfg.partition_of(t, id)))
+                        )),
+                        Ok(()) => None,
+                    };
+                    if let Some(why) = failed {
+                        if !publish.status().connected() && ended.is_ok() {
+                            ended = Err(format!("the router's publish channel closed: {why}"));
+                            taking = false;
+                        }
+                        if taking {
+                            if c.tries == 0 {
+                                events::copy_failed(&cfg.name, &why);
+                            }
+                            let id = numbers.next().unwrap_or_default();
+                            flying.push(copy(c.key, c.d, c.tries + 1, id));
+                        }
+                        // Else unacked: the channel's close returns it to the intake.
+                        continue;
+                    }
+                    // A failed ack only means the delivery comes back and is routed again.
+                    let _ = tokio::time::timeout(RPC_TIMEOUT, c.d.acker.ack(BasicAckOptions::default())).await;
+                    let next = if taking {
+                        waiting.get_mut(&c.key).and_then(VecDeque::pop_front)
+                    } else {
+                        None
+                    };
+                    match next {
+                        Some(d) => {
+                            let id = numbers.next().unwrap_or_default();
+                            flying.push(copy(c.key, d, 0, id));
+                        }
+                        None => {
+                            waiting.remove(&c.key);
+                        }
                     }
                 }
             }
@@ -157,7 +234,8 @@ async fn route_on(
                         Some(queue) if key.is_some() => queue.push_back(d),
                         _ => {
                             waiting.entry(key.clone()).or_default();
-                            flying.push(copy(key, d));
+                            let id = numbers.next().unwrap_or_default();
+                            flying.push(copy(key, d, 0, id));
                         }
                     }
                 }
@@ -180,31 +258,55 @@ async fn route_on(
     ended
 }
 
-/// Publishes a copy of `d` to `queue` through the route exchange and waits for the
-/// broker's confirm. The copy keeps the original routing key in a header.
-async fn forward(ch: &Channel, exchange: &str, queue: &str, d: &Delivery) -> Result<(), String> {
-    let props = with_headers(
-        &d.properties,
-        &original_routing_key(d),
-        FieldTable::default(),
-    );
+/// Publishes a copy of `d` (numbered `id`) to partition queue `queue` through the default
+/// exchange with `mandatory`, and waits for the broker's confirm. The copy keeps the
+/// original routing key in a header. Returns what the confirm said and the number of the
+/// copy whose return came with it (not necessarily this one).
+async fn forward(
+    ch: &Channel,
+    queue: &str,
+    d: &Delivery,
+    id: u64,
+) -> (Result<(), String>, Option<u64>) {
+    let mut extra = FieldTable::default();
+    extra.insert(COPY.into(), AMQPValue::LongLongInt(id as i64));
+    let props = with_headers(&d.properties, &original_routing_key(d), extra);
     let publish = async {
         let confirm = ch
             .basic_publish(
-                exchange.into(),
+                "".into(),
                 queue.into(),
-                BasicPublishOptions::default(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
                 &d.data,
                 props,
             )
             .await?;
         confirm.await
     };
+    let number = |r: Option<BasicReturnMessage>| {
+        r.and_then(
+            |r| match r.properties.headers().as_ref()?.inner().get(COPY)? {
+                AMQPValue::LongLongInt(n) => Some(*n as u64),
+                _ => None,
+            },
+        )
+    };
     match tokio::time::timeout(RPC_TIMEOUT, publish).await {
-        Ok(Ok(Confirmation::Ack(_))) => Ok(()),
-        Ok(Ok(Confirmation::Nack(_))) => Err(format!("the broker nacked a copy for {queue}")),
-        Ok(Ok(Confirmation::NotRequested)) => Err("router channel not in confirm mode".into()),
-        Ok(Err(e)) => Err(format!("publish to {queue}: {e}")),
-        Err(_) => Err(format!("no confirm in time for a copy to {queue}")),
+        Ok(Ok(Confirmation::Ack(r))) => (Ok(()), number(r)),
+        Ok(Ok(Confirmation::Nack(r))) => (
+            Err(format!("the broker nacked a copy for {queue}")),
+            number(r),
+        ),
+        Ok(Ok(Confirmation::NotRequested)) => {
+            (Err("router channel not in confirm mode".into()), None)
+        }
+        Ok(Err(e)) => (Err(format!("publish to {queue}: {e}")), None),
+        Err(_) => (
+            Err(format!("no confirm in time for a copy to {queue}")),
+            None,
+        ),
     }
 }

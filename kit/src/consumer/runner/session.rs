@@ -1,8 +1,9 @@
 //! One AMQP session of the runner: connect, declare the topology (a queue with retry
 //! queues, or an ordered group's intake queue, route exchange and partition queues), open a consume
-//! channel (with the prefetch) and a confirm-mode publish channel, and the unordered consume
-//! loop, one `select!` over a closed set of wake-ups ([`Wake`]). `run` reconnects around
-//! it; an ordered group's member (`group`) runs on the same session instead of the loop.
+//! channel (with the prefetch) and (unordered) a confirm-mode publish channel, and the
+//! unordered consume loop, one `select!` over a closed set of wake-ups ([`Wake`]). `run`
+//! reconnects around it; an ordered group's member (`group`) runs on the same session
+//! instead of the loop, with its dead letters on a connection of their own.
 //!
 //! Invariants: at most `prefetch` messages are in hand; on shutdown or a lost connection
 //! no new message is taken and those in hand finish (their acks may fail; the broker
@@ -26,7 +27,8 @@ use tokio_util::sync::CancellationToken;
 use crate::amqp::{self, AmqpError, AmqpTarget, long_string};
 use crate::consumer::events;
 
-use super::process::{Shared, process};
+use super::process::process;
+use super::settle::Shared;
 use super::{ConsumerConfig, Handler, RPC_TIMEOUT};
 
 pub(super) enum Opened {
@@ -39,7 +41,8 @@ pub(super) enum Opened {
 pub(super) struct Session {
     pub(super) conn: Arc<Connection>,
     consume: Channel,
-    pub(super) publish: Channel,
+    /// The confirm channel of an unordered consumer's copies (none for an ordered group).
+    pub(super) publish: Option<Channel>,
     pub(super) lost: CancellationToken,
 }
 
@@ -101,12 +104,18 @@ impl Session {
                 consume.basic_qos(cfg.prefetch.get(), BasicQosOptions::default()),
             )
             .await?;
-            let publish = rpc("channel.open", conn.create_channel()).await?;
-            rpc(
-                "confirm.select",
-                publish.confirm_select(ConfirmSelectOptions::default()),
-            )
-            .await?;
+            // An ordered group publishes its dead letters on a connection of its own.
+            let publish = if cfg.ordered.is_none() {
+                let publish = rpc("channel.open", conn.create_channel()).await?;
+                rpc(
+                    "confirm.select",
+                    publish.confirm_select(ConfirmSelectOptions::default()),
+                )
+                .await?;
+                Some(publish)
+            } else {
+                None
+            };
             Ok::<_, Opened>((consume, publish))
         };
         let (consume, publish) = match setup.await {
@@ -301,9 +310,9 @@ async fn declare(ch: &Channel, cfg: &ConsumerConfig) -> Result<(), Opened> {
 }
 
 /// An ordered group's topology: the source exchange, the dead-letter exchange and queue,
-/// the intake queue (single-active-consumer) bound to the source with each binding, the
-/// route exchange (direct, its alternate exchange the dead-letter exchange) and the
-/// partition queues (single-active-consumer), each bound to the route exchange with its
+/// the intake queue (classic, single-active-consumer) bound to the source with each binding, the
+/// route exchange of earlier versions' routers (direct, its alternate exchange the
+/// dead-letter exchange) and the partition queues (classic, single-active-consumer), each bound to the route exchange with its
 /// own name. Refused while the consistent-hash exchange of an earlier version is there.
 async fn declare_group(
     ch: &Channel,
@@ -315,6 +324,12 @@ async fn declare_group(
     let (dlx, queue_options) = declare_source_and_dead_letters(ch, cfg).await?;
     let single_active = |dead_letters: bool| {
         let mut args = FieldTable::default();
+        // Pinned: on a broker or vhost whose default type is quorum they would otherwise be
+        // quorum queues, which move a returned message to the tail and drop (or dead-letter)
+        // it after a delivery limit that channel closures count toward. A queue that already
+        // exists as classic without the argument accepts it; one that exists as quorum is
+        // refused (PRECONDITION_FAILED), and the runner stops saying so.
+        args.insert("x-queue-type".into(), long_string("classic"));
         args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
         if dead_letters {
             args.insert("x-dead-letter-exchange".into(), long_string(&dlx));

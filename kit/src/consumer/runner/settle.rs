@@ -2,7 +2,8 @@
 //! failure); a copy to the dead-letter exchange (terminal failure, too many attempts, no
 //! outbox event); or, when the broker does not take the copy, held for `retry_min` and
 //! nacked for redelivery (unordered mode; an ordered group retries the copy in place, see
-//! `process`). Also the publish channel those copies go through ([`Publisher`]).
+//! `process`). Also the publish channel those copies go through ([`Publisher`]), and what
+//! every message task shares ([`Shared`]: the settings, the pool and that channel).
 //!
 //! Invariants: an event is dead-lettered only after the inbox showed it is not recorded
 //! ([`recorded_after_all`]): the last attempt's commit may have succeeded although the
@@ -17,12 +18,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use deadpool_postgres::Pool;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use tokio::sync::Mutex;
 
 use crate::amqp::long_string;
 use crate::consumer::events;
@@ -34,8 +37,22 @@ use crate::contract::headers::{
 use crate::db::{DbError, deadline};
 
 use super::message::original_routing_key;
-use super::process::{Applied, Shared};
-use super::{HandlerError, Message, RPC_TIMEOUT};
+use super::{ConsumerConfig, HandlerError, Message, RPC_TIMEOUT};
+
+/// What every message task shares.
+pub(super) struct Shared {
+    pub(super) cfg: Arc<ConsumerConfig>,
+    pub(super) pool: Pool,
+    /// One publish at a time, each awaited to its confirm: lapin pairs a returned message
+    /// with whichever confirm resolves next, so only a lone publish knows its own return.
+    pub(super) publisher: Mutex<Publisher>,
+}
+
+/// What the inbox transaction ended with.
+pub(super) enum Applied {
+    Done,
+    Duplicate,
+}
 
 /// The confirm-mode channel the runner publishes its copies on, and since when the broker
 /// has answered nothing but nacks on it.

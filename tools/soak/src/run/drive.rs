@@ -24,8 +24,8 @@ use crate::tap;
 
 use super::RunArgs;
 use super::faults::{self, World};
-use super::setup::queue_depth;
 use super::verdict::{Timing, check};
+use super::wiring::queue_depth;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn drive(

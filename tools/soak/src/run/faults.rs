@@ -31,7 +31,7 @@ use crate::producer::now_ms;
 use crate::schedule::{Fault, Planned, Service, Target};
 use crate::tap::{self, Tap};
 
-use super::setup::{Proxies, app_name, queue_depth};
+use super::wiring::{Proxies, app_name, queue_depth};
 use super::{FaultRecord, Own};
 
 /// Whether a chunk a client sends holds an AMQP `basic.publish`: a method frame (type 1,

@@ -29,6 +29,7 @@ mod drive;
 mod faults;
 mod setup;
 mod verdict;
+mod wiring;
 
 use setup::{soak, upstreams};
 

@@ -6,8 +6,6 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use outbox_kit::amqp::AmqpTarget;
 use outbox_kit::contract::Schema;
 use outbox_kit::db::DbTarget;
@@ -17,45 +15,13 @@ use tokio::sync::Notify;
 use crate::consumer;
 use crate::destination;
 use crate::procs::Slot;
-use crate::schedule::{Planned, Service, Shape, Target};
+use crate::schedule::{Planned, Shape, Target};
 use crate::tap::Tap;
 
 use super::drive::drive;
 use super::faults::World;
+use super::wiring::{Proxies, app_name};
 use super::{Own, RunArgs};
-
-pub(super) struct Proxies {
-    relay_pg: Vec<TcpProxy>,
-    relay_amqp: Vec<TcpProxy>,
-    consumer_pg: Vec<TcpProxy>,
-    consumer_amqp: Vec<TcpProxy>,
-}
-
-impl Proxies {
-    pub(super) fn get(&self, target: Target, service: Service) -> &TcpProxy {
-        match (target, service) {
-            (Target::Relay(i), Service::Postgres) => &self.relay_pg[i],
-            (Target::Relay(i), Service::Rabbitmq) => &self.relay_amqp[i],
-            (Target::Consumer(i), Service::Postgres) => &self.consumer_pg[i],
-            (Target::Consumer(i), Service::Rabbitmq) => &self.consumer_amqp[i],
-        }
-    }
-
-    pub(super) fn all(&self) -> impl Iterator<Item = &TcpProxy> {
-        self.relay_pg
-            .iter()
-            .chain(&self.relay_amqp)
-            .chain(&self.consumer_pg)
-            .chain(&self.consumer_amqp)
-    }
-}
-
-pub(super) fn app_name(target: Target) -> String {
-    match target {
-        Target::Relay(i) => format!("soak_relay_{i}"),
-        Target::Consumer(i) => format!("soak_consumer_{i}"),
-    }
-}
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -339,23 +305,4 @@ async fn cleanup_broker(amqp: &AmqpTarget, exchange: &str, queue: &str, tap: &st
         }
     }
     let _ = conn.close(200, "cleanup".into()).await;
-}
-
-/// How many messages wait in `queue`; None when it does not exist.
-pub(super) async fn queue_depth(amqp: &AmqpTarget, queue: &str) -> Option<(u32, u32)> {
-    let conn = amqp.connect("outbox-soak-check").await.ok()?;
-    let ch = conn.create_channel().await.ok()?;
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .ok();
-    let _ = conn.close(200, "checked".into()).await;
-    q.map(|q| (q.message_count(), q.consumer_count()))
 }

@@ -14,7 +14,7 @@ use crate::schedule::Fault;
 use crate::tap::TAP_PREFETCH;
 
 use super::faults::World;
-use super::setup::queue_depth;
+use super::wiring::queue_depth;
 use super::{FaultRecord, RunArgs};
 
 pub(super) struct Timing {
