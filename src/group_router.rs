@@ -2,8 +2,8 @@
 //! so that a group whose members are Python, Go or Node services on the SQL functions
 //! (docs/consumer-kit.md, "Ordered groups in any language") has per-key order too. The
 //! routing is the kit's ([`GroupRouter`]): one unconfirmed copy per key, an intake delivery
-//! acked only after its copy was confirmed, the route exchange's alternate exchange, a
-//! connection of its own. This module runs it, starts it again after a failure, samples
+//! acked only after its copy was confirmed and not returned (copies go to the partition
+//! queue by name with `mandatory`), a connection of its own. This module runs it, starts it again after a failure, samples
 //! the group (queue depths, live members) for `/metrics`, and says whether it is ready.
 //!
 //! Invariants: nothing is routed before the group's partition count is recorded and its

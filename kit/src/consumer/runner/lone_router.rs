@@ -2,9 +2,9 @@
 //! Python, Go or Node service on the SQL functions) or that want routing in a process of
 //! its own (`outbox-relay group-router`). It is the router every Rust member runs
 //! (`router`), with the same guarantees: a key has at most one unconfirmed copy, an intake
-//! delivery is acked only after its copy was confirmed, the route exchange's alternate
-//! exchange catches a copy no partition queue takes, and the router has a connection of
-//! its own. Several may run (Rust members and routers alike): the intake queue's
+//! delivery is acked only after its copy was confirmed and not returned (copies go to the
+//! partition queue by name with `mandatory`; a returned one is retried holding its key only),
+//! and the router has a connection of its own. Several may run (Rust members and routers alike): the intake queue's
 //! single-active-consumer lets one route at a time.
 //!
 //! Invariant: [`GroupRouter::prepare`] records the group's partition count
