@@ -29,6 +29,24 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+/// What `outbox-relay group-router` runs, validated.
+#[derive(Debug)]
+pub struct GroupRouterConfig {
+    pub db: outbox_kit::db::DbTarget,
+    pub schema: outbox_kit::contract::Schema,
+    pub amqp: outbox_kit::amqp::AmqpTarget,
+    pub group: outbox_kit::consumer::runner::ConsumerConfig,
+    pub http_listen: Option<std::net::SocketAddr>,
+}
+
+impl GroupRouterConfig {
+    /// The kit's router of this group.
+    pub fn router(&self) -> GroupRouter {
+        GroupRouter::new(self.group.clone(), self.amqp.clone())
+            .expect("checked when the flags were parsed")
+    }
+}
+
 /// The live members of a group (their lease not run out), by the database's clock.
 const MEMBERS: &str = "SELECT count(*) FROM outbox_consumer_members
                         WHERE consumer = $1 AND lease_until > clock_timestamp()";

@@ -378,7 +378,9 @@ async fn run_demo(cfg: demo::DemoConfig) -> anyhow::Result<()> {
 
 /// `group-router`: the HTTP endpoint first (probes see "not ready" until the group is
 /// prepared), then the router until SIGTERM; the endpoint stays up while it drains.
-async fn run_group_router(cfg: cli::group_router::GroupRouterConfig) -> anyhow::Result<()> {
+async fn run_group_router(
+    cfg: outbox_relay::group_router::GroupRouterConfig,
+) -> anyhow::Result<()> {
     use outbox_relay::group_router::{self, RouterTelemetry};
     let shutdown = shutdown_on_signals();
     let telemetry = std::sync::Arc::new(RouterTelemetry::new(&cfg.group.name));

@@ -92,7 +92,7 @@ pub enum Command {
     /// Consumer kit: route an ordered consumer group's events from its intake queue to its
     /// partition queues, for groups whose members are not Rust (they consume the partition
     /// queues and use the outbox_group_* SQL functions).
-    GroupRouter(super::group_router::GroupRouterArgs),
+    GroupRouter(GroupRouterArgs),
     /// A first run on local services: creates a demo database, produces events at a rate,
     /// runs the relay and a consumer in this process, shows progress and a summary.
     Demo(DemoArgs),
@@ -493,4 +493,56 @@ pub struct RunArgs {
     /// the benchmark's latency breakdown; hidden: not an operator's setting).
     #[arg(long, env = "OUTBOX_STAGE_TRACE", hide = true)]
     pub stage_trace: Option<std::path::PathBuf>,
+}
+
+/// `group-router`: an ordered group's router as a process of its own (parsed in
+/// `group_router.rs`).
+#[derive(Debug, Args)]
+pub struct GroupRouterArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
+
+    /// The group's queue name: its intake is <queue>.intake, its partition queues
+    /// <queue>.p00, <queue>.p01, ..., its dead letters <queue>.dlq.
+    #[arg(long, env = "OUTBOX_GROUP_QUEUE")]
+    pub queue: String,
+
+    /// How many partition queues the group has; fixed for the life of the group (another
+    /// count than the one recorded is refused).
+    #[arg(long, env = "OUTBOX_GROUP_PARTITIONS", default_value = "8")]
+    pub partitions: String,
+
+    /// The group's name, the inbox key its members pass to the outbox_group_* functions
+    /// [default: the queue].
+    #[arg(long, env = "OUTBOX_CONSUMER")]
+    pub consumer: Option<String>,
+
+    /// Exchange the relay publishes to.
+    #[arg(long, env = "OUTBOX_EXCHANGE", default_value = "outbox.events")]
+    pub exchange: String,
+
+    /// Binding of the intake queue at the exchange: '#' or '<aggregate_type>.#' (repeat,
+    /// or separate with commas in the variable).
+    #[arg(
+        long = "binding",
+        env = "OUTBOX_GROUP_BINDINGS",
+        value_delimiter = ',',
+        default_value = "#"
+    )]
+    pub bindings: Vec<String>,
+
+    /// Do not declare the exchange, queues and bindings; they must exist as described.
+    #[arg(long, env = "OUTBOX_NO_DECLARE")]
+    pub no_declare: bool,
+
+    /// Where to serve /livez, /readyz and /metrics, or "off".
+    #[arg(
+        long,
+        env = "OUTBOX_GROUP_ROUTER_HTTP_LISTEN",
+        default_value = "127.0.0.1:9465"
+    )]
+    pub http_listen: String,
 }

@@ -14,6 +14,7 @@ use outbox_relay::relay::RelayConfig;
 use outbox_relay::replay::ReplayConfig;
 
 use super::args::{Cli, Command, ParkedCommand};
+pub use super::values::{Database, Output};
 use super::values::{SecretFiles, duration, positive};
 
 /// What `main` runs, fully validated.
@@ -32,26 +33,12 @@ pub enum Config {
         stage_trace: Option<std::path::PathBuf>,
     },
     Demo(outbox_relay::demo::DemoConfig),
-    GroupRouter(super::group_router::GroupRouterConfig),
+    GroupRouter(outbox_relay::group_router::GroupRouterConfig),
     /// A command that connects to the database, does one job and exits.
     Operator {
         db: Database,
         command: Operator,
     },
-}
-
-/// `--database-url` and `--schema`: where every command finds the outbox tables.
-#[derive(Clone, Debug)]
-pub struct Database {
-    pub target: DbTarget,
-    pub schema: Schema,
-}
-
-/// How a command prints its result: `--json` for scripts, text otherwise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Output {
-    Text,
-    Json,
 }
 
 /// The operator commands, each with its own settings (the connection is [`Database`]).

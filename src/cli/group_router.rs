@@ -4,83 +4,13 @@
 
 use std::num::NonZeroU16;
 
-use clap::Args;
-use outbox_kit::amqp::AmqpTarget;
 use outbox_kit::consumer::runner::{ConsumerConfig, ConsumerError, GroupRouter, Ordered};
-use outbox_kit::contract::{ConfigError, Schema};
-use outbox_kit::db::DbTarget;
+use outbox_kit::contract::ConfigError;
+use outbox_relay::group_router::GroupRouterConfig;
 
-use super::args::{AmqpArgs, DbArgs};
+use super::args::GroupRouterArgs;
 use super::config::{Config, Database};
 use super::values::{SecretFiles, http_listen, positive};
-
-#[derive(Debug, Args)]
-pub struct GroupRouterArgs {
-    #[command(flatten)]
-    pub db: DbArgs,
-
-    #[command(flatten)]
-    pub amqp: AmqpArgs,
-
-    /// The group's queue name: its intake is <queue>.intake, its partition queues
-    /// <queue>.p00, <queue>.p01, ..., its dead letters <queue>.dlq.
-    #[arg(long, env = "OUTBOX_GROUP_QUEUE")]
-    pub queue: String,
-
-    /// How many partition queues the group has; fixed for the life of the group (another
-    /// count than the one recorded is refused).
-    #[arg(long, env = "OUTBOX_GROUP_PARTITIONS", default_value = "8")]
-    pub partitions: String,
-
-    /// The group's name, the inbox key its members pass to the outbox_group_* functions
-    /// [default: the queue].
-    #[arg(long, env = "OUTBOX_CONSUMER")]
-    pub consumer: Option<String>,
-
-    /// Exchange the relay publishes to.
-    #[arg(long, env = "OUTBOX_EXCHANGE", default_value = "outbox.events")]
-    pub exchange: String,
-
-    /// Binding of the intake queue at the exchange: '#' or '<aggregate_type>.#' (repeat,
-    /// or separate with commas in the variable).
-    #[arg(
-        long = "binding",
-        env = "OUTBOX_GROUP_BINDINGS",
-        value_delimiter = ',',
-        default_value = "#"
-    )]
-    pub bindings: Vec<String>,
-
-    /// Do not declare the exchange, queues and bindings; they must exist as described.
-    #[arg(long, env = "OUTBOX_NO_DECLARE")]
-    pub no_declare: bool,
-
-    /// Where to serve /livez, /readyz and /metrics, or "off".
-    #[arg(
-        long,
-        env = "OUTBOX_GROUP_ROUTER_HTTP_LISTEN",
-        default_value = "127.0.0.1:9465"
-    )]
-    pub http_listen: String,
-}
-
-/// What `outbox-relay group-router` runs, validated.
-#[derive(Debug)]
-pub struct GroupRouterConfig {
-    pub db: DbTarget,
-    pub schema: Schema,
-    pub amqp: AmqpTarget,
-    pub group: ConsumerConfig,
-    pub http_listen: Option<std::net::SocketAddr>,
-}
-
-impl GroupRouterConfig {
-    /// The kit's router of this group.
-    pub fn router(&self) -> GroupRouter {
-        GroupRouter::new(self.group.clone(), self.amqp.clone())
-            .expect("checked when the flags were parsed")
-    }
-}
 
 impl GroupRouterArgs {
     pub(super) fn parse(&self, files: &SecretFiles) -> Result<Config, ConfigError> {

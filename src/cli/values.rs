@@ -14,7 +14,20 @@ use outbox_kit::db::DbTarget;
 use outbox_relay::operator::ParkedFilter;
 
 use super::args::{AmqpArgs, CloudEventsArgs, DbArgs, FilterArgs, OutputArgs};
-use super::config::{Database, Output};
+
+/// `--database-url` and `--schema`: where every command finds the outbox tables.
+#[derive(Clone, Debug)]
+pub struct Database {
+    pub target: DbTarget,
+    pub schema: Schema,
+}
+
+/// How a command prints its result: `--json` for scripts, text otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    Text,
+    Json,
+}
 
 /// Secrets that may come from files (`DATABASE_URL_FILE` and so on, as container
 /// platforms mount them). `main` reads the variables; parsing reads the files.
