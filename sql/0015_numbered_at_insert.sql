@@ -51,6 +51,16 @@ UPDATE outbox_events e SET seq = n.seq
 UPDATE outbox_key_seq SET numbered_ids = '{}', numbered_seqs = '{}'
  WHERE numbered_ids <> '{}' OR numbered_seqs <> '{}';
 
+-- A key an earlier version's block-key park rewound: its counter stands at the parked row's
+-- number and the rows behind it were given back their numbers. It is held there now
+-- (blocked_seq), so that a re-drive keeps the parked row's number and it goes out before
+-- the key's later rows, as it did before.
+UPDATE outbox_key_seq k SET blocked_seq = k.last_seq
+ WHERE EXISTS (SELECT 1 FROM outbox_events e
+                WHERE e.aggregate_type = k.aggregate_type AND e.aggregate_id = k.aggregate_id
+                  AND e.parked_at IS NOT NULL AND e.dispatched_at IS NULL
+                  AND e.seq = k.last_seq);
+
 -- Counters of keys with unnumbered pending rows or parked rows (a block-key park rewound
 -- its key) start above every number the key's rows carry; each such key has one.
 INSERT INTO outbox_key_seq AS k (aggregate_type, aggregate_id, last_seq)
@@ -150,8 +160,11 @@ LANGUAGE plpgsql SET search_path FROM CURRENT
 AS $$
 #variable_conflict use_column
 DECLARE
-    r     record;
-    v_seq bigint;
+    r         record;
+    v_seq     bigint;
+    -- Keys whose counter a producer held: their later due rows wait too, so that a key's
+    -- scheduled rows take their numbers in the order they became due.
+    v_skipped text[] := '{}';
 BEGIN
     FOR r IN
         SELECT e.id, e.aggregate_type AS t, e.aggregate_id AS i
@@ -162,17 +175,24 @@ BEGIN
          ORDER BY e.available_at, e.id
          LIMIT p_limit
     LOOP
+        CONTINUE WHEN r.t || chr(31) || r.i = ANY (v_skipped);
         SELECT k.last_seq INTO v_seq FROM outbox_key_seq k
          WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i
            FOR UPDATE SKIP LOCKED;
         IF NOT FOUND THEN
-            CONTINUE WHEN EXISTS (SELECT 1 FROM outbox_key_seq k
-                                   WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i);
+            IF EXISTS (SELECT 1 FROM outbox_key_seq k
+                        WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i) THEN
+                v_skipped := v_skipped || (r.t || chr(31) || r.i);
+                CONTINUE;
+            END IF;
             INSERT INTO outbox_key_seq (aggregate_type, aggregate_id, last_seq)
             VALUES (r.t, r.i, 0)
             ON CONFLICT DO NOTHING
             RETURNING last_seq INTO v_seq;
-            CONTINUE WHEN v_seq IS NULL;
+            IF v_seq IS NULL THEN
+                v_skipped := v_skipped || (r.t || chr(31) || r.i);
+                CONTINUE;
+            END IF;
         END IF;
         UPDATE outbox_events e SET seq = v_seq + 1
          WHERE e.id = r.id AND e.seq IS NULL AND e.dispatched_at IS NULL AND e.parked_at IS NULL;

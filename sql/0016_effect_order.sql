@@ -40,6 +40,12 @@ AS $$
 DECLARE
     v_id bigint;
 BEGIN
+    -- Effects of one order key take their ids in commit order: an enqueue waits for any other
+    -- transaction enqueueing under the same order key to end, so a claim never sees a later
+    -- effect of the key while an earlier one is still uncommitted.
+    IF p_order_key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended('outbox_effect_order' || chr(31) || p_order_key, 16));
+    END IF;
     INSERT INTO outbox_effects (effect_key, destination, payload, tenant, quota_key, cost, order_key)
     VALUES (p_effect_key, p_destination, coalesce(p_payload, '{}'), p_tenant, p_quota_key,
             CASE WHEN p_tenant IS NULL THEN NULL ELSE coalesce(p_cost, 1) END, p_order_key)

@@ -59,10 +59,10 @@ CREATE UNIQUE INDEX outbox_events_idempotency_key
 
 -- The insert trigger of 0015 takes the key's next seq before the unique index is checked:
 -- an INSERT that ON CONFLICT DO NOTHING then skips would leave its number without an event.
--- So an insert with an idempotency key first waits for any other transaction inserting the
--- same key (a transaction-level advisory lock on the aggregate type and key, taken before
--- the key's counter, so the two locks are always taken in one order), then looks for a row
--- that holds the key; if one does, the number goes back (the key's counter row is still
+-- So an insert with an idempotency key, once it holds its key's counter, waits for any other
+-- transaction inserting the same idempotency key (a transaction-level advisory lock on the
+-- aggregate type and key; taken after the counter, so that two producers of one key never
+-- wait for each other in opposite orders), then looks for a row that holds the key; if one does, the number goes back (the key's counter row is still
 -- this transaction's) and the row is inserted without one, which the unique index then
 -- refuses or ON CONFLICT skips. Same body as 0015 otherwise.
 DO $do$
@@ -72,10 +72,6 @@ CREATE OR REPLACE FUNCTION %1$I.outbox_number_event() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = %1$I, pg_temp
 AS $$
 BEGIN
-    IF NEW.idempotency_key IS NOT NULL THEN
-        PERFORM pg_advisory_xact_lock(
-            hashtextextended(NEW.aggregate_type || chr(31) || NEW.idempotency_key, 17));
-    END IF;
     IF NEW.available_at > NEW.created_at THEN
         -- Scheduled: numbered once due (outbox_number_due). The key gets its counter now,
         -- so that numbering it later never has to wait for a producer creating it.
@@ -89,6 +85,13 @@ BEGIN
     VALUES (NEW.aggregate_type, NEW.aggregate_id, 1)
     ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = k.last_seq + 1
     RETURNING k.last_seq INTO NEW.seq;
+    -- Another transaction inserting the same idempotency key: wait for its end (taken
+    -- after the key's counter, never before, so that producers who write one key never
+    -- wait on each other in two orders).
+    IF NEW.idempotency_key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(
+            hashtextextended(NEW.aggregate_type || chr(31) || NEW.idempotency_key, 17));
+    END IF;
     -- An event_id or an idempotency key already stored: this INSERT fails, or is skipped
     -- by ON CONFLICT DO NOTHING, after this trigger. Its number goes back (the key's row is
     -- still ours), so that no number is left without an event.

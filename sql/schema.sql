@@ -631,6 +631,12 @@ CREATE FUNCTION public.outbox_effect_enqueue(p_effect_key text, p_destination te
 DECLARE
     v_id bigint;
 BEGIN
+    -- Effects of one order key take their ids in commit order: an enqueue waits for any other
+    -- transaction enqueueing under the same order key to end, so a claim never sees a later
+    -- effect of the key while an earlier one is still uncommitted.
+    IF p_order_key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended('outbox_effect_order' || chr(31) || p_order_key, 16));
+    END IF;
     INSERT INTO outbox_effects (effect_key, destination, payload, tenant, quota_key, cost, order_key)
     VALUES (p_effect_key, p_destination, coalesce(p_payload, '{}'), p_tenant, p_quota_key,
             CASE WHEN p_tenant IS NULL THEN NULL ELSE coalesce(p_cost, 1) END, p_order_key)
@@ -1330,8 +1336,11 @@ CREATE FUNCTION public.outbox_number_due(p_owned integer[], p_limit integer) RET
     AS $$
 #variable_conflict use_column
 DECLARE
-    r     record;
-    v_seq bigint;
+    r         record;
+    v_seq     bigint;
+    -- Keys whose counter a producer held: their later due rows wait too, so that a key's
+    -- scheduled rows take their numbers in the order they became due.
+    v_skipped text[] := '{}';
 BEGIN
     FOR r IN
         SELECT e.id, e.aggregate_type AS t, e.aggregate_id AS i
@@ -1342,17 +1351,24 @@ BEGIN
          ORDER BY e.available_at, e.id
          LIMIT p_limit
     LOOP
+        CONTINUE WHEN r.t || chr(31) || r.i = ANY (v_skipped);
         SELECT k.last_seq INTO v_seq FROM outbox_key_seq k
          WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i
            FOR UPDATE SKIP LOCKED;
         IF NOT FOUND THEN
-            CONTINUE WHEN EXISTS (SELECT 1 FROM outbox_key_seq k
-                                   WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i);
+            IF EXISTS (SELECT 1 FROM outbox_key_seq k
+                        WHERE k.aggregate_type = r.t AND k.aggregate_id = r.i) THEN
+                v_skipped := v_skipped || (r.t || chr(31) || r.i);
+                CONTINUE;
+            END IF;
             INSERT INTO outbox_key_seq (aggregate_type, aggregate_id, last_seq)
             VALUES (r.t, r.i, 0)
             ON CONFLICT DO NOTHING
             RETURNING last_seq INTO v_seq;
-            CONTINUE WHEN v_seq IS NULL;
+            IF v_seq IS NULL THEN
+                v_skipped := v_skipped || (r.t || chr(31) || r.i);
+                CONTINUE;
+            END IF;
         END IF;
         UPDATE outbox_events e SET seq = v_seq + 1
          WHERE e.id = r.id AND e.seq IS NULL AND e.dispatched_at IS NULL AND e.parked_at IS NULL;
@@ -1375,10 +1391,6 @@ CREATE FUNCTION public.outbox_number_event() RETURNS trigger
     SET search_path TO 'public', 'pg_temp'
     AS $$
 BEGIN
-    IF NEW.idempotency_key IS NOT NULL THEN
-        PERFORM pg_advisory_xact_lock(
-            hashtextextended(NEW.aggregate_type || chr(31) || NEW.idempotency_key, 17));
-    END IF;
     IF NEW.available_at > NEW.created_at THEN
         -- Scheduled: numbered once due (outbox_number_due). The key gets its counter now,
         -- so that numbering it later never has to wait for a producer creating it.
@@ -1392,6 +1404,13 @@ BEGIN
     VALUES (NEW.aggregate_type, NEW.aggregate_id, 1)
     ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = k.last_seq + 1
     RETURNING k.last_seq INTO NEW.seq;
+    -- Another transaction inserting the same idempotency key: wait for its end (taken
+    -- after the key's counter, never before, so that producers who write one key never
+    -- wait on each other in two orders).
+    IF NEW.idempotency_key IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(
+            hashtextextended(NEW.aggregate_type || chr(31) || NEW.idempotency_key, 17));
+    END IF;
     -- An event_id or an idempotency key already stored: this INSERT fails, or is skipped
     -- by ON CONFLICT DO NOTHING, after this trigger. Its number goes back (the key's row is
     -- still ours), so that no number is left without an event.

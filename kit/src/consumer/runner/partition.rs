@@ -69,11 +69,20 @@ impl InHand {
         self.waiting.push_back(d);
     }
 
-    /// The seq a delivery would be parked behind, when the lane is full and the delivery
-    /// comes after everything in hand.
+    /// The seq a delivery would be parked behind: the highest of its key handed on so far
+    /// (kept or parked), when the lane is full or has parked before and the delivery comes
+    /// after everything handed on. Once a key parked one event, every later one is parked
+    /// too, each behind the one before: nothing of the key in memory can overtake a park
+    /// still under way, and a drain applies the parked events one after another.
     fn park_behind(&self, d: &Delivery, bound: usize) -> Option<i64> {
         let after = self.last_seq?;
-        (self.waiting.len() >= bound && seq_of(d)? > after).then_some(after)
+        ((self.parked > 0 || self.waiting.len() >= bound) && seq_of(d)? > after).then_some(after)
+    }
+
+    /// `d` is being parked: the key's next parked event waits for it.
+    fn parking(&mut self, d: &Delivery) {
+        self.parked += 1;
+        self.last_seq = self.last_seq.max(seq_of(d));
     }
 }
 
@@ -223,7 +232,7 @@ pub(super) async fn consume<H: Handler>(
                     match lanes.get_mut(&lane) {
                         Some(h) => match h.park_behind(&d, bound) {
                             Some(after) => {
-                                h.parked += 1;
+                                h.parking(&d);
                                 parking.push(park_one(lane, d, after));
                             }
                             None => h.keep(d),
