@@ -224,3 +224,29 @@ pub async fn migrate(client: &mut Client, schema: &Schema) -> Result<MigrateRepo
     deadline(tx.commit()).await?;
     Ok(report)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::MIGRATIONS;
+
+    /// Migrations run in the order of this list: a file registered out of place (as
+    /// happened when branches adding 0015-0019 were merged) would run before one it needs.
+    #[test]
+    fn migrations_are_listed_in_version_order_under_their_own_number() {
+        for (i, m) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(
+                m.version,
+                i as i32 + 1,
+                "{} is listed at place {}",
+                m.name,
+                i + 1
+            );
+            assert!(
+                m.name.starts_with(&format!("{:04}_", m.version)),
+                "{} is registered as version {}",
+                m.name,
+                m.version
+            );
+        }
+    }
+}
