@@ -56,12 +56,12 @@ fn tap_queue_args() -> FieldTable {
 }
 
 /// Connects, declares and binds the tap queue, and consumes it; returns the consumer and
-/// the connection it lives on.
+/// the connection and channel it lives on.
 async fn subscribe(
     amqp: &AmqpTarget,
     exchange: &str,
     queue: &str,
-) -> anyhow::Result<(Connection, lapin::Consumer)> {
+) -> anyhow::Result<(Connection, lapin::Channel, lapin::Consumer)> {
     let conn = amqp.connect("outbox-soak-tap").await?;
     declare_exchange(&conn, exchange).await?;
     let ch = conn.create_channel().await?;
@@ -94,7 +94,7 @@ async fn subscribe(
             FieldTable::default(),
         )
         .await?;
-    Ok((conn, consumer))
+    Ok((conn, ch, consumer))
 }
 
 /// Messages the tap holds unacked at most: what a broker restart can deliver to it twice.
@@ -112,7 +112,7 @@ impl Tap {
         let task = tokio::spawn(async move {
             let mut session = Some(first);
             while !s.is_cancelled() {
-                let (conn, mut consumer) = match session.take() {
+                let (conn, ch, mut consumer) = match session.take() {
                     Some(c) => c,
                     None => match subscribe(&amqp, &exchange, &queue).await {
                         Ok(c) => c,
@@ -132,13 +132,19 @@ impl Tap {
                             return;
                         }
                         d = consumer.next() => d,
-                        // A consumer stream does not always end when its connection does
-                        // (a tap stuck after broker restarts was seen): watch the
-                        // connection itself.
+                        // A consumer stream does not always end when its connection or
+                        // channel does (a tap stuck after broker restarts was seen, once
+                        // with its connection still up and 983 deliveries never taken):
+                        // watch both.
                         _ = check.tick() => {
-                            if conn.status().connected() {
+                            if conn.status().connected() && ch.status().connected() {
                                 continue;
                             }
+                            let _ = tokio::time::timeout(
+                                std::time::Duration::from_secs(5),
+                                conn.close(200, "tap channel gone".into()),
+                            )
+                            .await;
                             break;
                         }
                     };
@@ -148,7 +154,15 @@ impl Tap {
                     sink.lock()
                         .unwrap()
                         .push(Delivery::from_amqp(&d.properties));
-                    let _ = d.ack(BasicAckOptions::default()).await;
+                    let acked = tokio::time::timeout(
+                        std::time::Duration::from_secs(15),
+                        d.ack(BasicAckOptions::default()),
+                    )
+                    .await;
+                    if !matches!(acked, Ok(Ok(_))) {
+                        // Not acked: it comes again on the next connection (a duplicate).
+                        break;
+                    }
                 }
             }
         });
