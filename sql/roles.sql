@@ -100,7 +100,7 @@ REVOKE ALL ON TABLE
     :"schema".outbox_events, :"schema".outbox_key_seq, :"schema".outbox_partitions,
     :"schema".outbox_relays,
     :"schema".outbox_inbox, :"schema".outbox_inbox_keys, :"schema".outbox_inbox_gaps,
-    :"schema".outbox_inbox_held, :"schema".outbox_consumer_groups,
+    :"schema".outbox_inbox_held, :"schema".outbox_inbox_attempts, :"schema".outbox_consumer_groups,
     :"schema".outbox_consumer_members,
     :"schema".outbox_effects, :"schema".outbox_budgets, :"schema".outbox_budget_reservations,
     :"schema".outbox_effect_strays,
@@ -167,6 +167,10 @@ GRANT SELECT, INSERT ON :"schema".outbox_inbox_gaps TO :"consumer_role";
 GRANT SELECT, INSERT ON :"schema".outbox_consumer_groups TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_consumer_members TO :"consumer_role";
 GRANT SELECT, INSERT, DELETE ON :"schema".outbox_inbox_held TO :"consumer_role";
+-- outbox_group_join re-homes held rows of partitions the group no longer has (0020).
+GRANT UPDATE (partition) ON :"schema".outbox_inbox_held TO :"consumer_role";
+-- outbox_inbox_attempt counts attempts before they run (0020); outbox_consumer_prune deletes them.
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_inbox_attempts TO :"consumer_role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".outbox_effects TO :"consumer_role";
 -- outbox_effect_stray records an item out at a destination beside a row not its own;
 -- operators mark one resolved (resolved_at) once they dealt with it.
@@ -200,6 +204,7 @@ INSERT INTO outbox_roles_functions VALUES
     ('outbox_inbox_record', :'consumer_role'),
     ('outbox_inbox_gap', :'consumer_role'),
     ('outbox_inbox_dead', :'consumer_role'),
+    ('outbox_inbox_attempt', :'consumer_role'),
     ('outbox_group_join', :'consumer_role'),
     ('outbox_group_beat', :'consumer_role'),
     ('outbox_group_leave', :'consumer_role'),

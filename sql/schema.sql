@@ -400,6 +400,12 @@ BEGIN
                   FOR UPDATE SKIP LOCKED)
         RETURNING 1)
     SELECT count(*) INTO v_inbox FROM d;
+    DELETE FROM outbox_inbox_attempts a
+     WHERE (a.consumer, a.event_id) IN (
+           SELECT x.consumer, x.event_id FROM outbox_inbox_attempts x
+            WHERE x.last_at < p_before
+            LIMIT p_limit
+              FOR UPDATE SKIP LOCKED);
     RETURN QUERY SELECT v_effects, v_inbox;
 END
 $$;
@@ -438,7 +444,7 @@ $$;
 
 CREATE FUNCTION public.outbox_contract_version() RETURNS integer
     LANGUAGE sql STABLE PARALLEL SAFE
-    AS $$ SELECT 19 $$;
+    AS $$ SELECT 20 $$;
 
 --
 -- Name: outbox_effect_cancel(text); Type: FUNCTION; Schema: public; Owner: -
@@ -911,7 +917,7 @@ BEGIN
     VALUES (p_consumer, p_event_id, p_aggregate_type, p_aggregate_id, p_seq, 'dead', p_reason)
     ON CONFLICT (consumer, event_id) DO UPDATE SET outcome = 'dead', reason = excluded.reason;
     INSERT INTO outbox_inbox_keys AS k (consumer, aggregate_type, aggregate_id, last_seq)
-    VALUES (p_consumer, p_aggregate_type, p_aggregate_id, p_seq)
+    VALUES (p_consumer, p_aggregate_type, p_aggregate_id, coalesce(p_seq, 0))
     ON CONFLICT (consumer, aggregate_type, aggregate_id)
     DO UPDATE SET last_seq = greatest(k.last_seq, excluded.last_seq), updated_at = now();
     DELETE FROM outbox_inbox_held h
@@ -919,7 +925,8 @@ BEGIN
        AND h.aggregate_id = p_aggregate_id AND h.seq = p_seq;
     IF p_block THEN
         UPDATE outbox_inbox_keys k
-           SET blocked_seq = p_seq, blocked_at = now(), blocked_reason = p_reason
+           SET blocked_seq = coalesce(p_seq, k.last_seq + 1), blocked_at = now(),
+               blocked_reason = p_reason
          WHERE k.consumer = p_consumer AND k.aggregate_type = p_aggregate_type
            AND k.aggregate_id = p_aggregate_id;
     END IF;
@@ -946,6 +953,13 @@ BEGIN
             USING ERRCODE = 'OB002',
                   DETAIL = jsonb_build_object('consumer', p_consumer, 'recorded', v_recorded,
                                               'asked', p_partitions)::text;
+    END IF;
+    -- Only when there is something to move: a role that roles.sql of an earlier version
+    -- granted no UPDATE on outbox_inbox_held still joins.
+    IF EXISTS (SELECT 1 FROM outbox_inbox_held h
+                WHERE h.consumer = p_consumer AND h.partition >= v_recorded) THEN
+        UPDATE outbox_inbox_held h SET partition = h.partition % v_recorded
+         WHERE h.consumer = p_consumer AND h.partition >= v_recorded;
     END IF;
     RETURN v_recorded;
 END
@@ -1153,6 +1167,19 @@ CREATE FUNCTION public.outbox_headers_allowed(h jsonb) RETURNS boolean
                 OR lower(k) IN ('traceparent', 'tracestate')
                 OR octet_length(k) > 255
                 OR k = '')
+$$;
+
+--
+-- Name: outbox_inbox_attempt(text, uuid); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.outbox_inbox_attempt(p_consumer text, p_event_id uuid) RETURNS integer
+    LANGUAGE sql
+    SET search_path TO 'public'
+    AS $$
+    INSERT INTO outbox_inbox_attempts AS a (consumer, event_id) VALUES (p_consumer, p_event_id)
+    ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_at = now()
+    RETURNING a.attempts
 $$;
 
 --
@@ -1884,6 +1911,24 @@ CREATE TABLE public.outbox_inbox (
 );
 
 --
+-- Name: outbox_inbox_attempts; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_inbox_attempts (
+    consumer text NOT NULL,
+    event_id uuid NOT NULL,
+    attempts integer DEFAULT 1 NOT NULL,
+    first_at timestamp with time zone DEFAULT now() NOT NULL,
+    last_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: TABLE outbox_inbox_attempts; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.outbox_inbox_attempts IS 'attempts of an event a consumer counted before running them (redeliveries, retries in place); written by outbox_inbox_attempt, deleted by outbox_consumer_prune';
+
+--
 -- Name: outbox_inbox_gaps; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -2120,6 +2165,13 @@ ALTER TABLE public.outbox_events
 
 ALTER TABLE ONLY public.outbox_events
     ADD CONSTRAINT outbox_events_pkey PRIMARY KEY (id);
+
+--
+-- Name: outbox_inbox_attempts outbox_inbox_attempts_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_inbox_attempts
+    ADD CONSTRAINT outbox_inbox_attempts_pkey PRIMARY KEY (consumer, event_id);
 
 --
 -- Name: outbox_inbox_gaps outbox_inbox_gaps_pkey; Type: CONSTRAINT; Schema: public; Owner: -

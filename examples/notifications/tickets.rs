@@ -3,10 +3,10 @@
 //! budget for each, and enqueues an outbox event naming the deliveries.
 //!
 //! A delivery is an effect in the kit's ledger (`effect_key` = `delivery:<ticket>:<status>:<channel>`); the consumer
-//! sends it. The deliveries have no order key: with one (`Ledger::enqueue_in_order`), a
-//! delivery waiting for an earlier one of its ticket fails its event's attempts, and an event
-//! dead-lettered that way leaves its deliveries queued behind it for good (a known gap; see
-//! docs/consumer-kit.md, "Effects in the order of their key"). A tenant out of budget still
+//! sends it. A ticket's deliveries on one channel go out in the order of its status changes:
+//! each is enqueued under the order key `ticket:<id>:<channel>` (`Ledger::enqueue_in_order`),
+//! and a delivery waiting for an earlier one of its ticket waits without spending its event's
+//! attempts (docs/consumer-kit.md, "A key's effects go out in the order of its events"). A tenant out of budget still
 //! gets its status change: the delivery is recorded
 //! failed with the reason instead (a savepoint undoes just the reservation attempt).
 
@@ -124,8 +124,9 @@ pub async fn change_status(
         };
         // Out of budget undoes only this attempt: the delivery is recorded failed with the
         // reason, and the consumer finds nothing to send.
+        let order_key = format!("ticket:{ticket_id}:{channel}");
         let sp = tx.savepoint("reserve").await?;
-        match Ledger::enqueue(&sp, &effect).await {
+        match Ledger::enqueue_in_order(&sp, &effect, &order_key).await {
             Ok(_) => sp.commit().await?,
             Err(EffectError::OutOfBudget(why)) => {
                 sp.rollback().await?;
@@ -133,7 +134,7 @@ pub async fn change_status(
                     reserve_now: false,
                     ..effect
                 };
-                let id = Ledger::enqueue(&tx, &unreserved).await?;
+                let id = Ledger::enqueue_in_order(&tx, &unreserved, &order_key).await?;
                 tx.execute(FAIL_NOW, &[&id, &why.to_string()]).await?;
             }
             Err(e) => return Err(e.into()),

@@ -123,6 +123,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0019_parked_events.sql",
         sql: include_str!("../sql/0019_parked_events.sql"),
     },
+    Migration {
+        version: 20,
+        name: "0020_consumer_attempts.sql",
+        sql: include_str!("../sql/0020_consumer_attempts.sql"),
+    },
 ];
 
 /// Why the migrations were not applied.

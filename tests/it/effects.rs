@@ -6,7 +6,7 @@
 //! while an earlier one is queued or being sent, an effect under another live claim is not
 //! "done", and a claim whose lease ran out is taken over through the lookup.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -494,10 +494,13 @@ impl Destination for HangsOnce {
 struct Performer {
     dest: Arc<HangsOnce>,
     ledger: Ledger,
+    /// How many times the handler ran.
+    calls: AtomicUsize,
 }
 
 impl Handler for Performer {
     async fn handle(&self, cx: &Context<'_>, msg: &Message) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
         let p = msg.payload()?;
         let key = p["effect"].as_str().unwrap_or_default();
         let conn = cx.connection().await?;
@@ -564,6 +567,7 @@ async fn dropped_mid_send(ordered: bool) {
         Arc::new(Performer {
             dest: dest.clone(),
             ledger,
+            calls: AtomicUsize::new(0),
         }),
     );
     if ordered {
@@ -594,6 +598,96 @@ async fn dropped_mid_send(ordered: bool) {
     consumer.stop().await;
     assert_eq!(dest.inner.accepted("x1"), 1);
     assert_eq!(dest.inner.accepted("x2"), 1);
+    if ordered {
+        kit::delete_group_topology(&cfg).await;
+    } else {
+        kit::delete_topology(&cfg).await;
+    }
+}
+
+/// An event whose effect waits for an earlier effect of its order key (`Behind`) is retried
+/// without spending its attempts: with max_attempts 3 it meets the wait many more times and
+/// is not dead-lettered; once the earlier effect is sent, the event is applied and its own
+/// effect goes out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_an_earlier_effect_spends_no_attempts() {
+    waits_spend_no_attempts(false).await;
+}
+
+/// The same in an ordered group, where the event waits in place in its key's lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_an_earlier_effect_spends_no_attempts_in_a_group() {
+    waits_spend_no_attempts(true).await;
+}
+
+async fn waits_spend_no_attempts(ordered: bool) {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    enqueue_in_order(&client, "y1", "order/w").await;
+    enqueue_in_order(&client, "y2", "order/w").await;
+    let exchange = unique("it.ex").replace('_', ".");
+    let mut cfg = if ordered {
+        kit::group_config(&exchange, 1)
+    } else {
+        consumer_config(&exchange)
+    };
+    cfg.max_attempts = std::num::NonZeroU32::new(3);
+    let dest = Arc::new(HangsOnce {
+        inner: FakeDest::new("mail", true),
+        hang: "nothing hangs",
+        hung: AtomicBool::new(false),
+        order: Mutex::new(Vec::new()),
+    });
+    let performer = Arc::new(Performer {
+        dest: dest.clone(),
+        ledger: ledger("w1"),
+        calls: AtomicUsize::new(0),
+    });
+    let consumer = Running::start(&db, cfg.clone(), performer.clone());
+    if ordered {
+        kit::wait_group_ready(&cfg).await;
+    } else {
+        kit::wait_queue_ready(&cfg.queue).await;
+    }
+    let publisher = RawPublisher::new(&exchange).await;
+    let event = RawEvent::new("w", 1, json!({"effect": "y2"}));
+    publisher.publish(&event).await;
+    wait_for(
+        "the event met the wait six times",
+        Duration::from_secs(60),
+        || async { (performer.calls.load(Ordering::SeqCst) >= 6).then_some(()) },
+    )
+    .await;
+    let inbox = || async {
+        tokio::time::timeout(
+            Duration::from_secs(20),
+            client.query_opt(
+                "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+                &[&event.event_id],
+            ),
+        )
+        .await
+        .expect("the inbox answers within 20 s")
+        .unwrap()
+        .map(|r| r.get::<_, String>(0))
+    };
+    assert_eq!(inbox().await, None, "waiting, not dead-lettered");
+    assert_eq!(dest.inner.accepted("y2"), 0);
+    let sent = tokio::time::timeout(
+        Duration::from_secs(20),
+        ledger("w2").perform(&client, "y1", &*dest),
+    )
+    .await
+    .expect("y1 performed within 20 s")
+    .unwrap();
+    assert!(matches!(sent, Performed::Sent { .. }), "{sent:?}");
+    wait_for("the event applied", Duration::from_secs(30), || async {
+        (inbox().await.as_deref() == Some("applied")).then_some(())
+    })
+    .await;
+    consumer.stop().await;
+    assert_eq!(dest.inner.accepted("y1"), 1);
+    assert_eq!(dest.inner.accepted("y2"), 1);
     if ordered {
         kit::delete_group_topology(&cfg).await;
     } else {

@@ -34,7 +34,7 @@ const APPLIED: &str = "CREATE TABLE it_applied (
     member text)";
 
 /// Records every applied event; payload `{"poison": true}` fails for good, `{"stuck":
-/// true}` fails transiently while `stuck` is set.
+/// true}` fails transiently while `stuck` is set, `{"crash": true}` never returns.
 #[derive(Default)]
 struct Scripted {
     member: String,
@@ -42,6 +42,9 @@ struct Scripted {
     stuck_attempts: AtomicUsize,
     /// `Message::attempt` when a stuck event was finally applied.
     applied_attempt: AtomicUsize,
+    /// Runs of `{"crash": true}` events, which never return (as a handler that takes its
+    /// process down never does).
+    crash_runs: AtomicUsize,
 }
 
 impl Scripted {
@@ -61,6 +64,10 @@ impl Handler for Scripted {
         }
         if p["panic"] == json!(true) {
             panic!("a bug in the handler");
+        }
+        if p["crash"] == json!(true) {
+            self.crash_runs.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
         }
         if p["stuck"] == json!(true) && self.stuck.load(Ordering::SeqCst) {
             self.stuck_attempts.fetch_add(1, Ordering::SeqCst);
@@ -1748,4 +1755,232 @@ async fn a_held_event_its_key_went_past_is_recorded_late() {
         [(6, 4)],
         "the held 4 is recorded late, not dropped silently"
     );
+}
+
+/// A database call of these tests, under a deadline that names it.
+async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within 20 s"))
+}
+
+/// An event with its id and key but a seq header that is no integer is dead-lettered and
+/// recorded dead, and with block-key its key is blocked at its next seq: the key's later
+/// event is held, not applied as a jump past an event nobody recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_whose_seq_cannot_be_read_is_recorded_and_blocks_its_key() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let cfg = group_config(&ex, 1);
+    let running = Running::start(&db, cfg.clone(), Scripted::new("m"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let publisher = RawPublisher::new(&ex).await;
+    publisher.publish(&RawEvent::new("p", 1, json!({}))).await;
+    let bad = RawEvent::new("p", 2, json!({}));
+    publisher
+        .publish_with_seq(&bad, AMQPValue::LongString("two".into()))
+        .await;
+    publisher.publish(&RawEvent::new("p", 3, json!({}))).await;
+    let d = wait_for(
+        "the event with the bad seq dead-lettered",
+        Duration::from_secs(30),
+        || async { dead.all().into_iter().next() },
+    )
+    .await;
+    assert_eq!(d.event_id, bad.event_id.to_string());
+    assert!(d.reason.contains("x-outbox-seq"), "{}", d.reason);
+    wait_for(
+        "p blocked at 2 with 3 held",
+        Duration::from_secs(30),
+        || async { (key_state(&client, &cfg.name, "p").await == (1, Some(2), 1)).then_some(()) },
+    )
+    .await;
+    let outcome: String = within(
+        "the bad event's inbox row",
+        client.query_one(
+            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+            &[&bad.event_id],
+        ),
+    )
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(outcome, "dead");
+    assert_eq!(applied(&client).await.get("p"), Some(&vec![1]));
+    running.stop().await;
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// A group restarted with fewer partitions while a key had held events (its row in
+/// outbox_consumer_groups deleted, as the documented procedure does): the held rows of a
+/// partition the group no longer has are re-homed at join, so a member draining its
+/// partitions finds the key.
+#[tokio::test]
+async fn held_events_of_a_partition_the_group_no_longer_has_are_drained() {
+    let db = TestDb::new().await;
+    let c = db.client().await;
+    let q = |sql: &'static str| {
+        let c = &c;
+        async move { within(sql, c.query(sql, &[])).await.unwrap() }
+    };
+    q("SELECT outbox_group_join('g9', 4)").await;
+    let dead = kit::fresh_uuid();
+    let held = kit::fresh_uuid();
+    within(
+        "the dead event, blocking k",
+        c.execute(
+            "SELECT outbox_group_dead('g9', $1, 'order', 'k', 1, 'poison', true)",
+            &[&dead],
+        ),
+    )
+    .await
+    .unwrap();
+    let outcome: String = within(
+        "k's next event, from partition 3",
+        c.query_one(
+            "SELECT outcome FROM outbox_group_record('g9', 3, $1, 'order', 'k', 2, 'created', 'order.created', '{}', '\\x7b7d')",
+            &[&held],
+        ),
+    )
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(outcome, "held");
+    q("SELECT outbox_consumer_release('g9', 'order', 'k')").await;
+    q("DELETE FROM outbox_consumer_groups WHERE consumer = 'g9'").await;
+    q("SELECT outbox_group_join('g9', 2)").await;
+    let releasable: Vec<(String, String)> =
+        q("SELECT * FROM outbox_group_releasable('g9', ARRAY[0, 1])")
+            .await
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+    assert_eq!(releasable, [("order".to_owned(), "k".to_owned())]);
+    let taken: Vec<(String, uuid::Uuid)> =
+        q("SELECT outcome, event_id FROM outbox_group_take_held('g9', 'order', 'k')")
+            .await
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+    assert_eq!(taken, [("apply".to_owned(), held)]);
+}
+
+/// An event that kills each member it runs in (the member's task aborted and its connection
+/// closed mid-handler, as a crash does) is dead-lettered after max_attempts runs: its
+/// attempts are counted in the database, not in the memory that dies with the member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_event_that_kills_its_member_is_dead_lettered_after_max_attempts() {
+    killed_by_its_event(true).await;
+}
+
+/// The same for an unordered consumer, whose redelivered event's attempts are counted in
+/// the database too (a retry queue's copy carries its count in a header).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_event_that_kills_its_unordered_consumer_is_dead_lettered_after_max_attempts() {
+    killed_by_its_event(false).await;
+}
+
+async fn killed_by_its_event(ordered: bool) {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = if ordered {
+        group_config(&ex, 1)
+    } else {
+        kit::consumer_config(&ex)
+    };
+    cfg.max_attempts = std::num::NonZeroU32::new(3);
+    cfg.handler_timeout = Duration::from_secs(30);
+    if ordered {
+        declare_group(&db, &cfg).await;
+    } else {
+        let r = Running::start(&db, member(&cfg, "declare"), Scripted::new("declare"));
+        kit::wait_queue_ready(&cfg.queue).await;
+        r.stop().await;
+    }
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let publisher = RawPublisher::new(&ex).await;
+    let crash = RawEvent::new("c", 1, json!({"crash": true}));
+    publisher.publish(&crash).await;
+    publisher
+        .publish(&RawEvent::new("free", 1, json!({})))
+        .await;
+    let handler = Scripted::new("m");
+    let mut lives = 0;
+    loop {
+        assert!(
+            lives < 6,
+            "the event ran {} times and was never dead-lettered",
+            handler.crash_runs.load(Ordering::SeqCst)
+        );
+        let name = format!("life{lives}");
+        let member_cfg = member(&cfg, &name);
+        let app = unique("it.crash");
+        let deps = ConsumerDeps {
+            pool: db.target.pool(&db.schema, &app, 32),
+            amqp: AmqpTarget::parse(&amqp_url()).unwrap(),
+        };
+        let m = Running::start_with(deps, member_cfg.clone(), handler.clone());
+        let ran_before = handler.crash_runs.load(Ordering::SeqCst);
+        let crashed = wait_for(
+            "the crash event runs again, or is dead-lettered",
+            Duration::from_secs(60),
+            || async {
+                if handler.crash_runs.load(Ordering::SeqCst) > ran_before {
+                    Some(true)
+                } else {
+                    (!dead.all().is_empty()).then_some(false)
+                }
+            },
+        )
+        .await;
+        if !crashed {
+            m.stop().await;
+            break;
+        }
+        // A crash: the task gone, its broker connection and its database sessions (and
+        // with them the handler's open transaction) closed.
+        m.handle.abort();
+        let _ = m.handle.await;
+        crate::support::close_connections(&member_cfg.connection_name).await;
+        within(
+            "end the dead member's database sessions",
+            client.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                &[&app],
+            ),
+        )
+        .await
+        .unwrap();
+        lives += 1;
+    }
+    let d = dead.all().into_iter().next().unwrap();
+    assert_eq!(
+        handler.crash_runs.load(Ordering::SeqCst),
+        3,
+        "three runs, then dead; {lives} lives; dead-lettered for: {}",
+        d.reason
+    );
+    assert_eq!(d.event_id, crash.event_id.to_string());
+    assert!(d.reason.contains("3 attempts"), "{}", d.reason);
+    let outcome: String = within(
+        "the crash event's inbox row",
+        client.query_one(
+            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+            &[&crash.event_id],
+        ),
+    )
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(outcome, "dead");
+    if ordered {
+        kit::delete_group_topology(&cfg).await;
+    } else {
+        kit::delete_topology(&cfg).await;
+    }
 }

@@ -23,6 +23,7 @@ const GROUP_RECORD: &str =
     "SELECT outcome FROM outbox_group_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 const GROUP_DEAD: &str = "SELECT outbox_group_dead($1, $2, $3, $4, $5, $6, $7)";
 const PARK: &str = "SELECT outbox_group_park($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+const ATTEMPT: &str = "SELECT outbox_inbox_attempt($1, $2)";
 const RELEASE: &str = "SELECT outbox_consumer_release($1, $2, $3)";
 const RELEASABLE: &str = "SELECT aggregate_type, aggregate_id FROM outbox_group_releasable($1, $2)";
 const TAKE_HELD: &str = "SELECT outcome, event_id, seq, event_type, routing_key, headers, body \
@@ -243,6 +244,19 @@ pub async fn dead_in_group(
     ))
     .await?;
     Ok(())
+}
+
+/// Counts one more attempt at an event (`outbox_inbox_attempt`; commits on its own, before
+/// the attempt runs) and returns how many attempts it had before this one, the unrecorded
+/// first attempt of its first delivery included. Called for a redelivered event, whose
+/// earlier attempts a dead member's memory took with it.
+pub async fn count_attempt(
+    client: &impl GenericClient,
+    consumer: &str,
+    event_id: Uuid,
+) -> Result<u32, DbError> {
+    let row = deadline(client.query_one(ATTEMPT, &[&consumer, &event_id])).await?;
+    Ok(row.get::<_, i32>(0).max(0) as u32)
 }
 
 /// Lets a blocked key go on (`outbox_consumer_release`): returns how many of its events are

@@ -260,11 +260,17 @@ impl RawPublisher {
     }
 
     pub async fn publish(&self, e: &RawEvent) {
+        self.publish_with_seq(e, AMQPValue::LongLongInt(e.seq))
+            .await;
+    }
+
+    /// Publishes `e` with `seq` as its `x-outbox-seq` header (a malformed one, say).
+    pub async fn publish_with_seq(&self, e: &RawEvent, seq: AMQPValue) {
         let mut headers = FieldTable::default();
         let s = |v: &str| AMQPValue::LongString(LongString::from(v.as_bytes().to_vec()));
         headers.insert("x-outbox-aggregate-type".into(), s(&e.aggregate_type));
         headers.insert("x-outbox-aggregate-id".into(), s(&e.aggregate_id));
-        headers.insert("x-outbox-seq".into(), AMQPValue::LongLongInt(e.seq));
+        headers.insert("x-outbox-seq".into(), seq);
         let props = BasicProperties::default()
             .with_message_id(e.event_id.to_string().as_str().into())
             .with_content_type("application/json".into())

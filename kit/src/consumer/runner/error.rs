@@ -36,6 +36,20 @@ impl HandlerError {
     }
 }
 
+impl HandlerError {
+    /// Whether this is a wait rather than a failure: an effect that must wait for an
+    /// earlier one of its order key ([`EffectError::Behind`]) or for another live claim
+    /// ([`EffectError::InFlight`]). A wait is retried with backoff like a transient error but
+    /// spends none of the event's `max_attempts`: the event waits as long as what it waits
+    /// for, as a held key does.
+    pub fn is_wait(&self) -> bool {
+        matches!(
+            self,
+            HandlerError::Effect(EffectError::Behind { .. } | EffectError::InFlight { .. })
+        )
+    }
+}
+
 impl From<tokio_postgres::Error> for HandlerError {
     fn from(e: tokio_postgres::Error) -> Self {
         HandlerError::Db(e.into())

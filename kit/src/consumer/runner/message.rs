@@ -2,7 +2,9 @@
 //! its headers (`crate::contract::headers`), with no lapin type in its public face.
 //!
 //! Invariant: a delivery without a uuid `message_id`, or (ordered mode) without a seq
-//! header, is no outbox event; parsing says so and the runner dead-letters it.
+//! header of 1 or more, cannot be applied; parsing says so and the runner dead-letters it
+//! (an ordered group records one with an id and a key as dead, blocking its key with
+//! block-key).
 
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
@@ -141,8 +143,10 @@ pub(super) fn parse(d: &Delivery, ordered: bool) -> Result<Message, String> {
         .and_then(|s| Uuid::parse_str(s.as_str()).ok())
         .ok_or("no message_id holding a uuid: not an outbox event")?;
     let seq = header_i64(d, H_SEQ);
-    if ordered && seq.is_none() {
-        return Err(format!("no {H_SEQ} header: cannot be applied in order"));
+    if ordered && seq.is_none_or(|s| s < 1) {
+        return Err(format!(
+            "no usable {H_SEQ} header (an integer from 1 up): cannot be applied in order"
+        ));
     }
     if ordered && key_of(d).is_none() {
         return Err(format!(

@@ -30,7 +30,7 @@ use crate::consumer::events;
 use crate::consumer::inbox::{self, GroupAdmission, HeldEvent};
 use crate::db::deadline;
 
-use super::message::{original_routing_key, parse};
+use super::message::{key_of, original_routing_key, parse};
 use super::settle::{Applied, Shared, ack, dead_letter, publish_dead, recorded_after_all, settle};
 use super::{Context, Handler, HandlerError, Message, OnDead};
 
@@ -45,8 +45,46 @@ pub(super) async fn process<H: Handler>(shared: Arc<Shared>, handler: Arc<H>, d:
             return;
         }
     };
+    let spent = msg.attempt + earlier_deliveries(&shared, &d, &msg).await;
+    if let Some(max) = cfg.max_attempts
+        && spent >= max.get()
+    {
+        let reason = gave_up_unsettled(spent);
+        dead_letter(&shared, &d, Some(&msg), &reason).await;
+        return;
+    }
     let outcome = within(cfg.handler_timeout, apply(&shared, &*handler, &msg)).await;
     settle(&shared, &d, &msg, outcome).await;
+}
+
+/// For a redelivered event (its member died, or its channel closed, with it unacked): how
+/// many attempts its earlier deliveries made, counted in the database
+/// ([`inbox::count_attempt`], committed before this attempt runs), so that an event that
+/// kills every process it runs in is dead-lettered after `max_attempts` rather than killing
+/// each next owner. Zero for a first delivery (nothing written), without `max_attempts`,
+/// and when the count cannot be written (warned; the count then lives in memory as before).
+async fn earlier_deliveries(shared: &Shared, d: &Delivery, msg: &Message) -> u32 {
+    if !d.redelivered || shared.cfg.max_attempts.is_none() {
+        return 0;
+    }
+    let counted = async {
+        let client = deadline(shared.pool.get()).await?;
+        inbox::count_attempt(&**client, &shared.cfg.name, msg.event_id).await
+    }
+    .await;
+    match counted {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(target: "outbox_relay::consumer", error = %e, event_id = %msg.event_id, "a redelivered event's attempt was not counted in outbox_inbox_attempts (re-apply sql/roles.sql?); counting in memory");
+            0
+        }
+    }
+}
+
+fn gave_up_unsettled(spent: u32) -> String {
+    format!(
+        "gave up after {spent} attempts: its deliveries ended unsettled (the member died or lost its channel while handling it)"
+    )
 }
 
 pub(super) async fn within(
@@ -129,7 +167,19 @@ pub(super) async fn process_in_group<H: Handler>(
     let msg = match parse(d, true) {
         Ok(m) => m,
         Err(reason) => {
-            // No outbox event (no id or seq): nothing to record or block.
+            if let Ok(mut msg) = parse(d, false)
+                && key_of(d).is_some()
+            {
+                // An outbox event of a key whose seq cannot be read: dead-lettered and
+                // recorded like any dead event (its key blocked with block-key), so the
+                // key's next event does not apply as a jump past it unrecorded.
+                msg.seq = None;
+                return dead_in_group(g, &msg, &d.data, &d.properties, &reason)
+                    .await
+                    .acked(d)
+                    .await;
+            }
+            // No outbox event (no id or no key): nothing to record or block.
             let rk = original_routing_key(d);
             if !dead_letter_in_place(g, &rk, &d.data, &d.properties, &reason).await {
                 return Settled::Abandoned;
@@ -148,8 +198,9 @@ pub(super) async fn process_in_group<H: Handler>(
         headers: &headers,
         body: &msg.body,
     };
+    let spent = earlier_deliveries(g.shared, d, &msg).await;
     let (held, msg) = (&held, &msg);
-    let tried = with_retries(g, msg, |attempt| async move {
+    let tried = with_retries(g, msg, spent, |attempt| async move {
         let shared = g.shared;
         let mut conn = deadline(shared.pool.get()).await?;
         let client: &mut tokio_postgres::Client = &mut conn;
@@ -170,15 +221,23 @@ pub(super) async fn process_in_group<H: Handler>(
         Ok(())
     })
     .await;
-    let settled = match tried {
+    match tried {
         Tried::Done => Settled::Done,
         Tried::Stopped => Settled::Abandoned,
         Tried::Dead(reason) => dead_in_group(g, msg, &d.data, &d.properties, &reason).await,
-    };
-    if settled == Settled::Done {
-        ack(d).await;
     }
-    settled
+    .acked(d)
+    .await
+}
+
+impl Settled {
+    /// Acks `d` when it is done; returns how it ended.
+    async fn acked(self, d: &Delivery) -> Settled {
+        if self == Settled::Done {
+            ack(d).await;
+        }
+        self
+    }
 }
 
 /// Applies the held events of a released key in seq order, each in the transaction that
@@ -206,7 +265,7 @@ pub(super) async fn apply_held<H: Handler>(
             attempt: 0,
         };
         let (last_ref, template_ref) = (&last, &template);
-        let tried = with_retries(g, &template, |attempt| async move {
+        let tried = with_retries(g, &template, 0, |attempt| async move {
             let (last, template) = (last_ref, template_ref);
             let shared = g.shared;
             let mut conn = deadline(shared.pool.get()).await?;
@@ -315,15 +374,21 @@ enum Tried {
 
 /// Runs `attempt` (one inbox transaction, given how many attempts failed before it) until it
 /// succeeds, retrying transient failures in place with backoff while holding no handler
-/// permit.
-async fn with_retries<H, F, Fut>(g: &GroupCx<'_, H>, msg: &Message, attempt: F) -> Tried
+/// permit. `spent`: attempts earlier deliveries made (counted in the database); once they
+/// reach `max_attempts` the event is dead-lettered without running. A wait
+/// ([`HandlerError::is_wait`]) is retried with backoff but spends no attempt.
+async fn with_retries<H, F, Fut>(g: &GroupCx<'_, H>, msg: &Message, spent: u32, attempt: F) -> Tried
 where
     H: Handler,
     F: Fn(u32) -> Fut,
     Fut: Future<Output = Result<(), HandlerError>>,
 {
     let cfg = &g.shared.cfg;
-    let mut tries = 0u32;
+    let mut tries = spent;
+    let mut waits = 0u32;
+    if cfg.max_attempts.is_some_and(|max| tries >= max.get()) {
+        return Tried::Dead(gave_up_unsettled(tries));
+    }
     loop {
         let outcome = {
             let permit = tokio::select! {
@@ -350,11 +415,15 @@ where
         match outcome {
             Ok(()) => return Tried::Done,
             Err(e) if e.is_transient() => {
-                tries += 1;
+                if e.is_wait() {
+                    waits = waits.saturating_add(1);
+                } else {
+                    tries += 1;
+                }
                 if cfg.max_attempts.is_some_and(|max| tries >= max.get()) {
                     return Tried::Dead(format!("gave up after {tries} attempts: {e}"));
                 }
-                let delay = cfg.retry_delay(tries);
+                let delay = cfg.retry_delay(tries.saturating_add(waits));
                 events::retrying_in_place(
                     &cfg.name,
                     &msg.event_id.to_string(),

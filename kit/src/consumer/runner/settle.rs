@@ -103,13 +103,19 @@ pub(super) async fn settle(
     match outcome {
         Ok(_) => ack(d).await,
         Err(e) if e.is_transient() => {
-            let attempt = msg.attempt + 1;
-            if cfg.max_attempts.is_some_and(|max| attempt >= max.get()) {
+            // A wait (an earlier effect of its order key, another live claim) spends no
+            // attempt: the copy keeps its count and comes back after the next delay.
+            let (attempt, delay_of) = if e.is_wait() {
+                (msg.attempt, msg.attempt + 1)
+            } else {
+                (msg.attempt + 1, msg.attempt + 1)
+            };
+            if !e.is_wait() && cfg.max_attempts.is_some_and(|max| attempt >= max.get()) {
                 let reason = format!("gave up after {attempt} attempts: {e}");
                 dead_letter(shared, d, Some(msg), &reason).await;
                 return;
             }
-            let delay = cfg.retry_delay(attempt);
+            let delay = cfg.retry_delay(delay_of);
             events::retry_scheduled(
                 &cfg.name,
                 &event_id,
