@@ -108,6 +108,17 @@ impl Pacing {
         }
     }
 
+    /// Every commit from now on sends a NOTIFY that reaches this relay: LISTEN is up, the
+    /// relay is not busy, and the flag is on in the database with no write of it in flight.
+    /// Then a claim that found rows needs no follow-up claim: the next commit starts one.
+    pub(crate) fn commits_announced(&self) -> bool {
+        self.listen
+            && self.listen_up
+            && !self.busy
+            && !self.wakeup_busy
+            && self.wakeup_db == Some(true)
+    }
+
     /// The flag producers should see: on while waiting for commits (with `--listen`).
     fn wakeup_wanted(&self) -> bool {
         self.listen && !self.busy
@@ -248,6 +259,28 @@ mod tests {
 
         let mut off = Pacing::new(false);
         assert_eq!(off.wakeup_due(true, false), None, "without --listen");
+    }
+
+    /// Commits are announced only while LISTEN is up, the relay waits, and the flag is on
+    /// with no write of it in flight; busy, or with the flag unknown, they are not.
+    #[test]
+    fn commits_are_announced_only_with_listen_up_and_the_flag_on() {
+        let mut p = Pacing::new(true);
+        assert!(!p.commits_announced(), "flag unknown");
+        p.listen_up(true);
+        assert!(!p.commits_announced(), "flag not written yet");
+        assert_eq!(p.wakeup_due(true, false), Some(true));
+        assert!(!p.commits_announced(), "flag write in flight");
+        p.wakeup_written(true);
+        assert!(p.commits_announced());
+        p.listen_up(false);
+        assert!(!p.commits_announced(), "LISTEN lost");
+        p.listen_up(true);
+        for _ in 0..BUSY_STREAK {
+            p.forward_claimed(BUSY_CLAIM_ROWS, false);
+        }
+        assert!(!p.commits_announced(), "busy: producers send no NOTIFY");
+        assert!(!Pacing::new(false).commits_announced(), "without --listen");
     }
 
     /// Rows count as unannounced only when LISTEN was up, the flag on, and no NOTIFY came,

@@ -153,12 +153,20 @@ impl Engine {
             self.pass.wake_at(at);
         }
         let reached_end = claimed.scanned < meta.limit;
-        let forward = self
-            .pass
-            .returned(now, meta.sweeping, claimed.scanned_to, reached_end, new);
-        if forward {
+        // Pacing first: a claim that makes the relay busy turns the producers' NOTIFY off,
+        // and then the pass must claim again by itself.
+        if !meta.sweeping {
             self.pacing.forward_claimed(new, reached_end);
         }
+        let announced = self.pacing.commits_announced();
+        self.pass.returned(
+            now,
+            meta.sweeping,
+            claimed.scanned_to,
+            reached_end,
+            new,
+            announced,
+        );
     }
 
     fn leased(&mut self, sent: Instant, round: LeaseRound) {

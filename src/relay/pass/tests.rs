@@ -64,7 +64,7 @@ async fn sweeps_alternate_with_forward_claims() {
         (0, Some(0), true)
     );
     assert!(!pass.due(Instant::now()), "one claim at a time");
-    assert!(!pass.returned(Instant::now(), true, 0, true, 0));
+    assert!(!pass.returned(Instant::now(), true, 0, true, 0, false));
     // The forward claim the start asked for is still wanted.
     assert!(pass.due(Instant::now()));
     let forward = pass.start(Instant::now(), 100, W);
@@ -72,7 +72,7 @@ async fn sweeps_alternate_with_forward_claims() {
         (forward.after, forward.before, forward.sweeping),
         (0, None, false)
     );
-    assert!(pass.returned(Instant::now(), false, 1000, false, 100));
+    assert!(pass.returned(Instant::now(), false, 1000, false, 100, false));
     assert!(pass.wanted(), "cut at its limit: claim again");
 
     tokio::time::advance(ms(500)).await; // out of the look-back window
@@ -82,24 +82,24 @@ async fn sweeps_alternate_with_forward_claims() {
         (sweep.after, sweep.before, sweep.sweeping),
         (0, Some(1000), true)
     );
-    assert!(!pass.returned(Instant::now(), true, 400, false, 0));
+    assert!(!pass.returned(Instant::now(), true, 400, false, 0, false));
     // Still sweeping: the next claim reads forward, the one after that sweeps on.
     let forward = pass.start(Instant::now(), 100, W);
     assert_eq!((forward.after, forward.sweeping), (1000, false));
-    assert!(pass.returned(Instant::now(), false, 1010, true, 0));
+    assert!(pass.returned(Instant::now(), false, 1010, true, 0, false));
     let sweep = pass.start(Instant::now(), 100, W);
     assert_eq!(
         (sweep.after, sweep.before),
         (400, Some(1000)),
         "sweep goes on"
     );
-    assert!(!pass.returned(Instant::now(), true, 1000, true, 0));
+    assert!(!pass.returned(Instant::now(), true, 1000, true, 0, false));
     assert_eq!(pass.cursor, 1010, "sweeps never move the cursor");
     // The sweep is done; the forward claim the last one asked for is still wanted, and
     // reads again from where the claims of the window started.
     let forward = pass.start(Instant::now(), 100, W);
     assert_eq!((forward.after, forward.sweeping), (1000, false));
-    assert!(pass.returned(Instant::now(), false, 1010, true, 0));
+    assert!(pass.returned(Instant::now(), false, 1010, true, 0, false));
     assert!(!pass.due(Instant::now()), "caught up, nothing wanted");
 }
 
@@ -108,13 +108,46 @@ async fn sweeps_alternate_with_forward_claims() {
 fn a_wake_up_during_a_claim_survives_it() {
     let mut pass = Pass::new();
     pass.start(Instant::now(), 100, W);
-    pass.returned(Instant::now(), true, 0, true, 0);
+    pass.returned(Instant::now(), true, 0, true, 0, false);
     pass.start(Instant::now(), 100, W);
     assert!(!pass.wanted());
     pass.want(); // NOTIFY while the claim runs
-    pass.returned(Instant::now(), false, 10, true, 0);
+    pass.returned(Instant::now(), false, 10, true, 0, false);
     assert!(pass.wanted());
     assert!(pass.due(Instant::now()));
+}
+
+/// A claim that read to the end and found rows claims again at once, unless commits are
+/// announced (then the next commit's NOTIFY starts the next claim); a NOTIFY that came
+/// while it ran, or a claim cut short by its limit, still claims again.
+#[test]
+fn rows_found_while_commits_are_announced_want_no_follow_up_claim() {
+    let mut pass = Pass::new();
+    pass.start(Instant::now(), 100, W);
+    pass.returned(Instant::now(), true, 0, true, 0, false);
+
+    pass.start(Instant::now(), 100, W);
+    pass.returned(Instant::now(), false, 10, true, 3, false);
+    assert!(
+        pass.wanted(),
+        "not announced: more may be coming, claim again"
+    );
+
+    pass.start(Instant::now(), 100, W);
+    pass.returned(Instant::now(), false, 20, true, 3, true);
+    assert!(
+        !pass.wanted(),
+        "announced: the next commit starts the claim"
+    );
+
+    pass.start(Instant::now(), 100, W);
+    pass.want(); // NOTIFY while the claim runs
+    pass.returned(Instant::now(), false, 30, true, 3, true);
+    assert!(pass.wanted(), "a wake-up during the claim survives it");
+
+    pass.start(Instant::now(), 100, W);
+    pass.returned(Instant::now(), false, 130, false, 100, true);
+    assert!(pass.wanted(), "stopped at its limit: read on");
 }
 
 /// Keys asked for by name take at most a quarter of a claim; the rest wait for the next.
@@ -122,13 +155,13 @@ fn a_wake_up_during_a_claim_survives_it() {
 fn named_keys_take_a_quarter_of_a_claim() {
     let mut pass = Pass::new();
     pass.start(Instant::now(), 100, W);
-    pass.returned(Instant::now(), true, 0, true, 0);
+    pass.returned(Instant::now(), true, 0, true, 0, false);
     for k in ["a", "b", "c"] {
         pass.continue_key(key(k));
     }
     let plan = pass.start(Instant::now(), 8, W);
     assert_eq!(plan.keys.len(), 2);
-    assert!(pass.returned(Instant::now(), false, 0, true, 0));
+    assert!(pass.returned(Instant::now(), false, 0, true, 0, false));
     assert!(pass.wanted(), "a named key is left: claim again");
     assert_eq!(pass.start(Instant::now(), 8, W).keys.len(), 1);
 }
@@ -149,13 +182,13 @@ async fn failed_claims_and_busy_polls_wait() {
         !plan.sweeping,
         "the failed claim was a sweep: forward first"
     );
-    pass.returned(Instant::now(), false, 0, true, 0);
+    pass.returned(Instant::now(), false, 0, true, 0, false);
     let plan = pass.start(Instant::now(), 100, W);
     assert!(plan.sweeping, "then the sweep the failure asked for");
-    pass.returned(Instant::now(), true, 0, true, 0);
+    pass.returned(Instant::now(), true, 0, true, 0, false);
     let plan = pass.start(Instant::now(), 100, W);
     assert!(!plan.sweeping);
-    pass.returned(Instant::now(), false, 0, true, 0);
+    pass.returned(Instant::now(), false, 0, true, 0, false);
     assert_eq!(pass.next_due(), None, "nothing wanted");
 }
 
@@ -165,9 +198,9 @@ async fn failed_claims_and_busy_polls_wait() {
 async fn a_scheduled_row_wakes_a_forward_claim_when_due() {
     let mut pass = Pass::new();
     pass.start(Instant::now(), 100, W);
-    pass.returned(Instant::now(), true, 0, true, 0);
+    pass.returned(Instant::now(), true, 0, true, 0, false);
     pass.start(Instant::now(), 100, W);
-    pass.returned(Instant::now(), false, 10, true, 0);
+    pass.returned(Instant::now(), false, 10, true, 0, false);
     assert!(!pass.due(Instant::now()), "caught up, nothing wanted");
     let at = Instant::now() + ms(2000);
     pass.wake_at(at + ms(500));
@@ -187,7 +220,7 @@ async fn a_scheduled_row_wakes_a_forward_claim_when_due() {
     assert!(pass.due(Instant::now()), "still due until a claim starts");
     let plan = pass.start(Instant::now(), 100, W);
     assert!(!plan.sweeping, "a forward claim reads the due rows");
-    pass.returned(Instant::now(), false, 10, true, 0);
+    pass.returned(Instant::now(), false, 10, true, 0, false);
     assert_eq!(pass.next_due(), None, "woken once");
     assert!(!pass.due(Instant::now()));
 }
