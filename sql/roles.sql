@@ -94,8 +94,8 @@ GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"producer_role", :"consumer_r
 
 -- Start from nothing on every outbox table, so re-applying converges (also drops grants
 -- an earlier version of this file made). Revoking a table privilege revokes its column
--- privileges too. outbox_schema_migrations, the ledger of `outbox-relay migrate`, stays
--- the owner's alone: no role here reads or writes it.
+-- privileges too. outbox_schema_migrations and outbox_schema_functions, the ledgers of
+-- `outbox-relay migrate`, stay the owner's alone: no role here reads or writes them.
 REVOKE ALL ON TABLE
     :"schema".outbox_events, :"schema".outbox_key_seq, :"schema".outbox_partitions,
     :"schema".outbox_relays,

@@ -102,11 +102,7 @@ $$;
 CREATE FUNCTION public.outbox_claim(p_relay text, p_after bigint, p_limit integer, p_per_key integer, p_block_parked_keys boolean, p_max_message_bytes integer, p_max_bytes bigint, p_key_types text[] DEFAULT '{}'::text[], p_key_ids text[] DEFAULT '{}'::text[], p_before bigint DEFAULT NULL::bigint, p_held bigint[] DEFAULT '{}'::bigint[]) RETURNS TABLE(id bigint, event_id uuid, aggregate_type text, aggregate_id text, event_type text, routing_key text, body text, body_bytes integer, headers text, traceparent text, tracestate text, created_epoch double precision, created_text text, attempts integer, seq bigint, partition integer, scanned_to bigint, scanned integer, per_key integer, next_due double precision, unreadable text)
     LANGUAGE plpgsql
     SET search_path TO 'public'
-    SET plan_cache_mode TO 'force_custom_plan'
-    SET enable_seqscan TO 'on'
-    SET enable_bitmapscan TO 'on'
-    SET enable_hashjoin TO 'on'
-    SET enable_mergejoin TO 'on'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -132,7 +128,12 @@ BEGIN
         RETURN;
     END IF;
 
-    IF p_before IS NULL THEN
+    -- Rows without a number are rare (scheduled rows once due, rows written with the
+    -- trigger off): one probe of their index says whether to number any.
+    IF p_before IS NULL AND EXISTS (
+        SELECT 1 FROM outbox_events e
+         WHERE e.seq IS NULL AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+           AND e.available_at <= now()) THEN
         SELECT v_types || coalesce(array_agg(d.aggregate_type), '{}'),
                v_ids || coalesce(array_agg(d.aggregate_id), '{}')
           INTO v_types, v_ids
@@ -2075,6 +2076,17 @@ CREATE TABLE public.outbox_retention_horizon (
 );
 
 --
+-- Name: outbox_schema_functions; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.outbox_schema_functions (
+    name text NOT NULL,
+    revision integer NOT NULL,
+    checksum text NOT NULL,
+    applied_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
 -- Name: outbox_schema_migrations; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -2235,6 +2247,13 @@ ALTER TABLE ONLY public.outbox_replays
 
 ALTER TABLE ONLY public.outbox_retention_horizon
     ADD CONSTRAINT outbox_retention_horizon_pkey PRIMARY KEY (only_row);
+
+--
+-- Name: outbox_schema_functions outbox_schema_functions_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.outbox_schema_functions
+    ADD CONSTRAINT outbox_schema_functions_pkey PRIMARY KEY (name);
 
 --
 -- Name: outbox_schema_migrations outbox_schema_migrations_pkey; Type: CONSTRAINT; Schema: public; Owner: -

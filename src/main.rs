@@ -214,13 +214,14 @@ async fn run_operator(mut client: Client, db: &Database, command: Operator) -> a
         Operator::Migrate => {
             let schema = &db.schema;
             let report = schema::migrate(&mut client, schema).await?;
-            if report.applied.is_empty() {
+            let applied = [report.applied, report.functions].concat();
+            if applied.is_empty() {
                 println!(
                     "schema {schema} is up to date ({} migrations)",
                     report.already
                 );
             } else {
-                println!("schema {schema}: applied {}", report.applied.join(", "));
+                println!("schema {schema}: applied {}", applied.join(", "));
             }
         }
         Operator::Status { output } => {
@@ -459,7 +460,10 @@ async fn migrate_when_reachable(
         match attempt.await {
             Ok(report) => {
                 down.recovered();
-                telemetry::migrations_applied(&report.applied, report.already);
+                telemetry::migrations_applied(
+                    &[report.applied, report.functions].concat(),
+                    report.already,
+                );
                 return Ok(true);
             }
             Err(MigrateError::Db(e)) if e.is_transient() => {

@@ -1,10 +1,16 @@
 //! Schema migrations: the numbered files in `sql/`, applied in order under an advisory
-//! lock, each recorded with a checksum.
+//! lock, each recorded with a checksum; then the files of current function bodies in
+//! `sql/functions/` ([`REPEATABLE`]), each applied again whenever its revision is newer
+//! than the one recorded.
 //!
 //! Invariants: a migration is applied at most once per schema (the lock serializes
 //! concurrent relays starting together); an applied migration whose file changed is
-//! refused with [`MigrateError::Changed`], never re-run or skipped silently. The files are
-//! plain SQL written for `search_path = <schema>`, so other tools can apply them too.
+//! refused with [`MigrateError::Changed`], never re-run or skipped silently. A function
+//! file is applied when the schema holds an older revision of it (or none), never over a
+//! newer one (an older binary leaves a newer relay's bodies alone), and a file changed
+//! under the revision already applied is refused with [`MigrateError::RevisionChanged`].
+//! The files are plain SQL written for `search_path = <schema>`, so other tools can apply
+//! them too (the numbered ones in order, then the function files).
 //!
 //! `kit/sql` is a symbolic link to the repository's `sql/`: the files are included through
 //! it (`../sql/...`), so the published `outbox-kit` package carries them (cargo follows the
@@ -130,6 +136,25 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
+/// A file of current function bodies (`CREATE OR REPLACE` only), applied after the
+/// numbered migrations whenever the schema holds an older revision of it.
+pub struct Repeatable {
+    /// Its path under `sql/`.
+    pub name: &'static str,
+    /// Raised with every change to the file.
+    pub revision: i32,
+    /// The file's text.
+    pub sql: &'static str,
+}
+
+/// Every function file. Raise a file's revision with every change to it (the migrate
+/// test of function files checks that the file applied under a revision stays the same).
+pub const REPEATABLE: &[Repeatable] = &[Repeatable {
+    name: "functions/claim.sql",
+    revision: 1,
+    sql: include_str!("../sql/functions/claim.sql"),
+}];
+
 /// Why the migrations were not applied.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -145,6 +170,21 @@ pub enum MigrateError {
     Changed {
         /// The migration file.
         name: String,
+        /// The checksum recorded when it was applied.
+        applied: String,
+        /// The checksum of the file now.
+        current: String,
+    },
+    /// A function file was applied under this revision with other contents.
+    #[error(
+        "{name} revision {revision} was applied with checksum {applied} but the file now has \
+         {current}; raise its revision in kit/src/schema.rs (REPEATABLE) with every change"
+    )]
+    RevisionChanged {
+        /// The function file.
+        name: String,
+        /// The revision both carry.
+        revision: i32,
         /// The checksum recorded when it was applied.
         applied: String,
         /// The checksum of the file now.
@@ -179,6 +219,17 @@ const APPLIED: &str =
 const CHECKSUM: &str = "SELECT encode(sha256(convert_to($1::text, 'UTF8')), 'hex')";
 const RECORD: &str =
     "INSERT INTO outbox_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)";
+const CREATE_FUNCTION_LEDGER: &str = "CREATE TABLE IF NOT EXISTS outbox_schema_functions (
+    name       text PRIMARY KEY,
+    revision   integer NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now())";
+const FUNCTIONS_APPLIED: &str =
+    "SELECT revision, checksum FROM outbox_schema_functions WHERE name = $1";
+const RECORD_FUNCTIONS: &str = "INSERT INTO outbox_schema_functions (name, revision, checksum)
+    VALUES ($1, $2, $3)
+    ON CONFLICT (name) DO UPDATE
+    SET revision = excluded.revision, checksum = excluded.checksum, applied_at = now()";
 
 /// What `migrate` did.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -187,6 +238,8 @@ pub struct MigrateReport {
     pub applied: Vec<String>,
     /// How many had been applied before.
     pub already: usize,
+    /// The function files applied now, as `name (revision N)`.
+    pub functions: Vec<String>,
 }
 
 /// Applies the pending migrations to `schema` in one transaction.
@@ -225,6 +278,29 @@ pub async fn migrate(client: &mut Client, schema: &Schema) -> Result<MigrateRepo
         let checksum: String = deadline(tx.query_one(CHECKSUM, &[&m.sql])).await?.get(0);
         deadline(tx.execute(RECORD, &[&m.version, &m.name, &checksum])).await?;
         report.applied.push(m.name.to_owned());
+    }
+    deadline(tx.batch_execute(CREATE_FUNCTION_LEDGER)).await?;
+    for f in REPEATABLE {
+        let current: String = deadline(tx.query_one(CHECKSUM, &[&f.sql])).await?.get(0);
+        if let Some(row) = deadline(tx.query_opt(FUNCTIONS_APPLIED, &[&f.name])).await? {
+            let (revision, applied): (i32, String) = (row.get(0), row.get(1));
+            if revision > f.revision || revision == f.revision && applied == current {
+                continue;
+            }
+            if revision == f.revision {
+                return Err(MigrateError::RevisionChanged {
+                    name: f.name.to_owned(),
+                    revision,
+                    applied,
+                    current,
+                });
+            }
+        }
+        deadline(tx.batch_execute(f.sql)).await?;
+        deadline(tx.execute(RECORD_FUNCTIONS, &[&f.name, &f.revision, &current])).await?;
+        report
+            .functions
+            .push(format!("{} (revision {})", f.name, f.revision));
     }
     deadline(tx.commit()).await?;
     Ok(report)

@@ -549,6 +549,11 @@ async fn the_kit_packages_with_its_migrations() {
     let missing: Vec<String> = outbox_kit::schema::MIGRATIONS
         .iter()
         .map(|m| format!("sql/{}", m.name))
+        .chain(
+            outbox_kit::schema::REPEATABLE
+                .iter()
+                .map(|f| format!("sql/{}", f.name)),
+        )
         .chain(["sql/roles.sql".to_owned()])
         .filter(|f| !files.contains(f))
         .collect();

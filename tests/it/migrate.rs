@@ -165,12 +165,12 @@ async fn event_ids_are_time_ordered_uuid_v7() {
     assert!(stamps.is_sorted(), "made one after the other: {stamps:?}");
 }
 
-/// `outbox_claim` plans its statements with each call's values unless the claim is small
-/// (sql/0013_claim_plan_cache.sql): a cached generic plan once made its numbering step join
-/// rows to keys in a nested loop (6 times slower from the sixth claim of a connection on a
-/// big table; sql/0005_claim_plans.sql).
+/// `outbox_claim`'s own statements run on plans cached per connection, like its parts'
+/// (sql/functions/claim.sql): planned on every call they took a third of a claim's time at
+/// 500 events/s. What keeps a cached plan from reading a whole table is checked by
+/// `a_small_claim_only_probes_indexes`.
 #[tokio::test]
-async fn the_claim_is_planned_with_each_calls_values() {
+async fn the_claims_own_statements_run_on_cached_plans() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let config: Vec<String> = client
@@ -185,8 +185,142 @@ async fn the_claim_is_planned_with_each_calls_values() {
     assert!(
         config
             .iter()
-            .any(|c| c == "plan_cache_mode=force_custom_plan"),
+            .any(|c| c == "plan_cache_mode=force_generic_plan"),
         "outbox_claim settings: {config:?}"
+    );
+}
+
+/// Each function file's text as applied under its revision (sha256, hex). A change to a
+/// file must raise its revision in kit/src/schema.rs (REPEATABLE) and the pin here:
+/// schemas that hold the old revision then get the new bodies at their next migrate.
+const FUNCTION_FILES: &[(&str, i32, &str)] = &[(
+    "functions/claim.sql",
+    1,
+    "390606db7833b6aeff6ec105fff8df89a7cd54a5d907bbbec1c290c560412235",
+)];
+
+/// The function files are pinned: each carries the revision and text it was applied with.
+#[tokio::test]
+async fn each_function_file_is_pinned_to_its_revision() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let files: Vec<(String, i32, String)> = outbox_kit::schema::REPEATABLE
+        .iter()
+        .map(|f| (f.name.to_owned(), f.revision, f.sql.to_owned()))
+        .collect();
+    let mut found = Vec::new();
+    for (name, revision, sql) in &files {
+        let sum: String = client
+            .query_one(
+                "SELECT encode(sha256(convert_to($1::text, 'UTF8')), 'hex')",
+                &[sql],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        found.push((name.clone(), *revision, sum));
+    }
+    let pinned: Vec<(String, i32, String)> = FUNCTION_FILES
+        .iter()
+        .map(|(n, r, s)| ((*n).to_owned(), *r, (*s).to_owned()))
+        .collect();
+    assert_eq!(
+        found, pinned,
+        "a function file changed: raise its revision in kit/src/schema.rs and pin the new \
+         checksum here"
+    );
+    let recorded: Vec<(String, i32, String)> = client
+        .query(
+            "SELECT name, revision, checksum FROM outbox_schema_functions ORDER BY name",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(recorded, found, "migrate records what it applied");
+}
+
+/// A function file is applied again when the schema holds an older revision of it, left
+/// alone under a newer one (an older binary must not put back old bodies), and refused when
+/// its text changed under the revision applied.
+#[tokio::test]
+async fn function_files_are_applied_by_revision() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let mut c = db.client().await;
+    let f = &outbox_kit::schema::REPEATABLE[0];
+    let again = migrate(&mut c, &db.schema).await.unwrap();
+    assert!(again.functions.is_empty(), "applied already: {again:?}");
+
+    // An older revision, and a body from before it: migrate puts the file's back.
+    client
+        .batch_execute(&format!(
+            "UPDATE outbox_schema_functions SET revision = {} WHERE name = '{}';
+             ALTER FUNCTION outbox_claim(text, bigint, integer, integer, boolean, integer, bigint,
+                 text[], text[], bigint, bigint[]) SET plan_cache_mode = force_custom_plan;",
+            f.revision - 1,
+            f.name
+        ))
+        .await
+        .unwrap();
+    let report = migrate(&mut c, &db.schema).await.unwrap();
+    assert_eq!(
+        report.functions,
+        [format!("{} (revision {})", f.name, f.revision)]
+    );
+    let mode = || async {
+        let config: Vec<String> = client
+            .query_one(
+                "SELECT proconfig FROM pg_proc
+                  WHERE proname = 'outbox_claim' AND pronamespace = current_schema()::regnamespace",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        config
+            .into_iter()
+            .find(|c| c.starts_with("plan_cache_mode="))
+            .unwrap_or_default()
+    };
+    assert_eq!(mode().await, "plan_cache_mode=force_generic_plan");
+
+    // A newer revision (a newer relay migrated): its bodies stay.
+    client
+        .batch_execute(&format!(
+            "UPDATE outbox_schema_functions SET revision = {}, checksum = 'newer' WHERE name = '{}';
+             ALTER FUNCTION outbox_claim(text, bigint, integer, integer, boolean, integer, bigint,
+                 text[], text[], bigint, bigint[]) SET plan_cache_mode = force_custom_plan;",
+            f.revision + 1,
+            f.name
+        ))
+        .await
+        .unwrap();
+    let report = migrate(&mut c, &db.schema).await.unwrap();
+    assert!(report.functions.is_empty(), "{report:?}");
+    assert_eq!(mode().await, "plan_cache_mode=force_custom_plan");
+
+    // The same revision with other text: refused, by the library and by the CLI.
+    client
+        .batch_execute(&format!(
+            "UPDATE outbox_schema_functions SET revision = {}, checksum = 'edited' WHERE name = '{}'",
+            f.revision, f.name
+        ))
+        .await
+        .unwrap();
+    match migrate(&mut c, &db.schema).await {
+        Err(MigrateError::RevisionChanged { name, revision, .. }) => {
+            assert_eq!((name.as_str(), revision), (f.name, f.revision));
+        }
+        other => panic!("expected RevisionChanged, got {other:?}"),
+    }
+    let (code, _, err) = run_to_end(&["migrate", "--database-url", &db.url()], &[]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(f.name) && err.contains("raise its revision"),
+        "{err}"
     );
 }
 
@@ -625,6 +759,13 @@ async fn an_upgrade_keeps_every_number_while_the_previous_relay_runs() {
 
     for m in after {
         apply(m).await;
+    }
+    // And the function files, as any migration tool applies them after the numbered ones.
+    for f in outbox_kit::schema::REPEATABLE {
+        client
+            .batch_execute(f.sql)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", f.name));
     }
 
     // The previous relay keeps the partition of key 'old' and gives up the others (a lease

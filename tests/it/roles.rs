@@ -439,7 +439,7 @@ async fn roles_sql_names_every_outbox_table_and_function() {
     let admin = db.client().await;
     let sql = std::fs::read_to_string(ROLES_SQL).unwrap();
     // Helpers that read no table stay executable by PUBLIC, and the ledger of
-    // `outbox-relay migrate` is the owner's alone.
+    // `outbox-relay migrate` (migrations, function files) is the owner's alone.
     let public = [
         "outbox_headers_allowed",
         "outbox_partition_of",
@@ -448,6 +448,7 @@ async fn roles_sql_names_every_outbox_table_and_function() {
         "outbox_utf8_valid",
         "outbox_contract_version",
         "outbox_schema_migrations",
+        "outbox_schema_functions",
     ];
     let names = admin
         .query(

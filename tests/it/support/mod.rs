@@ -138,6 +138,7 @@ async fn template() -> &'static str {
             let checksum: String = outbox_kit::schema::MIGRATIONS
                 .iter()
                 .map(|m| m.sql)
+                .chain(outbox_kit::schema::REPEATABLE.iter().map(|f| f.sql))
                 .collect();
             let hash = admin
                 .query_one("SELECT substr(md5($1), 1, 12)", &[&checksum])
