@@ -81,6 +81,13 @@ pub(crate) fn with_sources(e: &dyn std::error::Error) -> String {
 }
 
 impl DbError {
+    /// Whether no connection could be had: the pool could not open one (the server is at
+    /// its connection limit, restarting, or out of reach) or none came free. Nothing of the
+    /// caller's work reached the server, so it says nothing about that work.
+    pub fn is_no_connection(&self) -> bool {
+        matches!(self, DbError::Pool(_))
+    }
+
     /// Whether waiting and retrying can help (connection trouble), as opposed to a
     /// statement the server will refuse again (permissions, missing schema, bad SQL).
     pub fn is_transient(&self) -> bool {

@@ -24,7 +24,7 @@ use crate::support::kit::{
 };
 use crate::support::process::run_to_end;
 use crate::support::proxy::{Mode, TcpProxy};
-use crate::support::{TestDb, amqp_url, rabbitmqctl, unique, wait_for};
+use crate::support::{TestDb, amqp_url, rabbitmqctl, unique, wait_for, wait_for_explained};
 
 const APPLIED: &str = "CREATE TABLE it_applied (
     n bigint GENERATED ALWAYS AS IDENTITY,
@@ -1978,6 +1978,102 @@ async fn killed_by_its_event(ordered: bool) {
     .unwrap()
     .get(0);
     assert_eq!(outcome, "dead");
+    if ordered {
+        kit::delete_group_topology(&cfg).await;
+    } else {
+        kit::delete_topology(&cfg).await;
+    }
+}
+
+/// A database that takes no new connections (at its connection limit, restarting, out of
+/// reach) is not the event's fault: the attempts it fails spend none of `max_attempts`,
+/// and the event is applied once connections come back, not dead-lettered. (Before, a
+/// busy suite's "too many clients" dead-lettered events after five pool errors.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_event_met_by_a_database_that_takes_no_connections_waits_for_it() {
+    refused_connections(true).await;
+}
+
+/// The same for an unordered consumer, whose retry copies keep their attempt count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unordered_event_met_by_a_database_that_takes_no_connections_waits_for_it() {
+    refused_connections(false).await;
+}
+
+async fn refused_connections(ordered: bool) {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = if ordered {
+        let mut c = group_config(&ex, 1);
+        // Long enough that the member keeps its partition through the outage.
+        c.ordered.as_mut().unwrap().member_lease = Duration::from_secs(60);
+        c
+    } else {
+        kit::consumer_config(&ex)
+    };
+    cfg.max_attempts = std::num::NonZeroU32::new(3);
+    cfg.retry_min = Duration::from_millis(20);
+    cfg.retry_max = Duration::from_millis(100);
+    let pg = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let url = db.url().replace(":5432/", &format!(":{}/", pg.port()));
+    let deps = ConsumerDeps {
+        pool: outbox_kit::db::DbTarget::parse(&url).unwrap().pool(
+            &db.schema,
+            "outbox-it-refused",
+            32,
+        ),
+        amqp: AmqpTarget::parse(&amqp_url()).unwrap(),
+    };
+    let running = Running::start_with(deps, cfg.clone(), Scripted::new("m"));
+    if ordered {
+        wait_group_ready(&cfg).await;
+    } else {
+        kit::wait_queue_ready(&cfg.queue).await;
+    }
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    // Every pooled connection closed, and each new one closed as it opens.
+    pg.set(Mode::Cut);
+    let before = pg.stats().accepted;
+    let publisher = RawPublisher::new(&ex).await;
+    let event = RawEvent::new("k", 1, json!({}));
+    publisher.publish(&event).await;
+    // Three times as many connection attempts as the event has attempts: before, it was
+    // dead-lettered after the third.
+    wait_for(
+        "the consumer tries 10 connections while the database refuses them",
+        Duration::from_secs(60),
+        || async { (pg.stats().accepted >= before + 10).then_some(()) },
+    )
+    .await;
+    pg.set(Mode::Pass);
+    wait_for_explained(
+        "the event applied once connections come back",
+        Duration::from_secs(60),
+        || async { (applied_count(&client).await == 1).then_some(()) },
+        || async {
+            format!(
+                "\n  dead letters {:?}{}",
+                dead.all(),
+                kit::group_state(&client, &cfg).await
+            )
+        },
+    )
+    .await;
+    assert!(dead.all().is_empty(), "dead-lettered: {:?}", dead.all());
+    let outcome: String = within(
+        "the event's inbox row",
+        client.query_one(
+            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+            &[&event.event_id],
+        ),
+    )
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(outcome, "applied");
+    running.stop().await;
     if ordered {
         kit::delete_group_topology(&cfg).await;
     } else {

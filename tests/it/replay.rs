@@ -12,7 +12,9 @@ use tokio::process::{Child, Command};
 use tokio_postgres::Client;
 
 use crate::support::process::{binary, run_to_end};
-use crate::support::{Broker, InProcessRelay, Received, TestDb, amqp_url, test_config, wait_for};
+use crate::support::{
+    Broker, InProcessRelay, Received, TestDb, amqp_url, test_config, wait_for, wait_for_explained,
+};
 
 /// Inserts `sql` (an INSERT into outbox_events) and waits until a relay dispatched every
 /// row and `broker` received them all; returns the rows' event ids.
@@ -456,14 +458,19 @@ async fn an_ordered_group_takes_a_replay_through_its_intake() {
     let (code, out, err) = replay(&replay_args(&url, &amqp, "group", &intake)).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("finished, 200 events"), "{out}");
-    wait_for("200 events applied", Duration::from_secs(120), || async {
-        let n: i64 = client
-            .query_one("SELECT count(*) FROM it_applied", &[])
-            .await
-            .ok()?
-            .get(0);
-        (n >= 200).then_some(())
-    })
+    wait_for_explained(
+        "200 events applied",
+        Duration::from_secs(120),
+        || async {
+            let n: i64 = client
+                .query_one("SELECT count(*) FROM it_applied", &[])
+                .await
+                .ok()?
+                .get(0);
+            (n >= 200).then_some(())
+        },
+        || kit::group_state(&client, &cfg),
+    )
     .await;
     a.stop().await;
     b.stop().await;

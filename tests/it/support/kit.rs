@@ -509,3 +509,38 @@ pub async fn delete_group_topology(cfg: &ConsumerConfig) {
     }
     amqp_best_effort("connection.close", conn.close(200, "cleanup".into())).await;
 }
+
+/// What an ordered group's state is, for a wait's timeout: the inbox outcomes, held and
+/// attempted rows, gaps, and the depth of each of its queues.
+pub async fn group_state(client: &tokio_postgres::Client, cfg: &ConsumerConfig) -> String {
+    let q = "SELECT 'inbox ' || coalesce(string_agg(outcome || '=' || n, ' '), 'empty') FROM
+               (SELECT outcome, count(*) AS n FROM outbox_inbox WHERE consumer = $1
+                 GROUP BY outcome ORDER BY outcome) AS o
+             UNION ALL SELECT 'held ' || count(*) FROM outbox_inbox_held WHERE consumer = $1
+             UNION ALL SELECT 'attempted ' || count(*) || ', most ' || coalesce(max(attempts), 0)
+               FROM outbox_inbox_attempts WHERE consumer = $1
+             UNION ALL SELECT 'gaps ' || count(*) FROM outbox_inbox_gaps WHERE consumer = $1
+             UNION ALL (SELECT 'dead ' || coalesce(aggregate_id || '#' || seq, event_id::text) || ': '
+                 || coalesce(reason, '')
+               FROM outbox_inbox WHERE consumer = $1 AND outcome = 'dead' ORDER BY handled_at
+               LIMIT 5)";
+    let mut out = String::new();
+    match tokio::time::timeout(Duration::from_secs(5), client.query(q, &[&cfg.name])).await {
+        Ok(Ok(rows)) => {
+            for r in rows {
+                let line: Option<String> = r.get(0);
+                out.push_str(&format!("\n  {}", line.unwrap_or_default()));
+            }
+        }
+        Ok(Err(e)) => out.push_str(&format!("\n  state query failed: {e}")),
+        Err(_) => out.push_str("\n  state query took over 5 s"),
+    }
+    let partitions = cfg.ordered.as_ref().map_or(0, |o| o.partitions.get());
+    let mut queues: Vec<String> = (0..partitions).map(|p| cfg.partition_queue(p)).collect();
+    queues.extend([cfg.intake_queue(), cfg.dead_letter_queue()]);
+    for queue in queues {
+        let counts = queue_counts(&amqp_url(), &queue).await;
+        out.push_str(&format!("\n  {queue}: (ready, consumers) {counts:?}"));
+    }
+    out
+}

@@ -39,14 +39,17 @@ impl HandlerError {
 impl HandlerError {
     /// Whether this is a wait rather than a failure: an effect that must wait for an
     /// earlier one of its order key ([`EffectError::Behind`]) or for another live claim
-    /// ([`EffectError::InFlight`]). A wait is retried with backoff like a transient error but
-    /// spends none of the event's `max_attempts`: the event waits as long as what it waits
-    /// for, as a held key does.
+    /// ([`EffectError::InFlight`]), or a database that gave no connection
+    /// ([`DbError::is_no_connection`]: at its connection limit, restarting, out of reach),
+    /// which is no fault of the event. A wait is retried with backoff like a transient
+    /// error but spends none of the event's `max_attempts`: the event waits as long as what
+    /// it waits for, as a held key does.
     pub fn is_wait(&self) -> bool {
-        matches!(
-            self,
-            HandlerError::Effect(EffectError::Behind { .. } | EffectError::InFlight { .. })
-        )
+        match self {
+            HandlerError::Effect(EffectError::Behind { .. } | EffectError::InFlight { .. }) => true,
+            HandlerError::Db(e) | HandlerError::Effect(EffectError::Db(e)) => e.is_no_connection(),
+            _ => false,
+        }
     }
 }
 

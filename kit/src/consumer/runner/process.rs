@@ -376,7 +376,8 @@ enum Tried {
 /// succeeds, retrying transient failures in place with backoff while holding no handler
 /// permit. `spent`: attempts earlier deliveries made (counted in the database); once they
 /// reach `max_attempts` the event is dead-lettered without running. A wait
-/// ([`HandlerError::is_wait`]) is retried with backoff but spends no attempt.
+/// ([`HandlerError::is_wait`]: an earlier effect, or no database connection) is retried
+/// with backoff but spends no attempt.
 async fn with_retries<H, F, Fut>(g: &GroupCx<'_, H>, msg: &Message, spent: u32, attempt: F) -> Tried
 where
     H: Handler,
