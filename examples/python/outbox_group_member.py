@@ -16,7 +16,10 @@ partition queues and apply each key's events one after another in seq order:
 - failures: any exception but `Terminal` is retried in place (backoff) up to `max_attempts`;
   then, or at once for `Terminal`, the event is published to `Q.dlx` with a broker confirm on
   a connection of its own and recorded with `outbox_group_dead` (blocking its key with
-  on_dead = block-key), then acked.
+  on_dead = block-key), then acked. Attempts that cannot be counted in memory, a redelivered
+  event's (its member died with it unacked) and a held event's first run in a process, are
+  counted in Postgres (`outbox_inbox_attempt`, committed before the handler runs), so an
+  event that kills its member is dead-lettered after max_attempts runs.
 - released keys: every second the held events of released keys in the owned partitions are
   applied in seq order (`outbox_group_releasable`, `outbox_group_take_held`).
 
@@ -57,6 +60,8 @@ GROUP_LEAVE = "SELECT outbox_group_leave(%s, %s)"
 GROUP_RECORD = ("SELECT outcome FROM outbox_group_record("
                 "%s, %s::integer, %s, %s, %s, %s::bigint, %s, %s, %s, %s)")
 GROUP_DEAD = "SELECT outbox_group_dead(%s, %s, %s, %s, %s::bigint, %s, %s)"
+# Counts one more attempt of an event, committed before it runs; returns its attempts before.
+ATTEMPT = "SELECT outbox_inbox_attempt(%s, %s)"
 RELEASABLE = "SELECT aggregate_type, aggregate_id FROM outbox_group_releasable(%s, %s::integer[])"
 TAKE_HELD = ("SELECT outcome, event_id, seq, event_type, routing_key, headers, body "
              "FROM outbox_group_take_held(%s, %s, %s)")
@@ -305,9 +310,23 @@ class Member:
 
     # --- one event -----------------------------------------------------------------------
 
+    def _count_attempt(self, event_id: uuid.UUID) -> int:
+        """Counts one more attempt of the event in the database, committed before it runs;
+        returns its attempts before this one (0 when the count cannot be written)."""
+        try:
+            with self._pg(autocommit=True) as db:
+                return db.execute(ATTEMPT, (self.s.consumer, event_id)).fetchone()[0]
+        except psycopg.Error as e:
+            log.warning("attempt of %s not counted in outbox_inbox_attempts (%s)", event_id, e)
+            return 0
+
     def _apply(self, p: int, ev: Event, body: bytes, props) -> bool:
         """The inbox transaction with retries in place; then dead-lettering. True: ack."""
-        attempt = 0
+        attempt = self._count_attempt(ev.event_id) if ev.redelivered else 0
+        if attempt >= self.s.max_attempts:
+            self._dead_in_group(ev, body, props, f"gave up after {attempt} attempts: its "
+                                "deliveries ended unsettled (the member died while handling it)")
+            return True
         while True:
             try:
                 db = self._handler_db()
@@ -402,6 +421,16 @@ class Member:
                               event_type=event_type or "", routing_key=rk,
                               headers=headers or {}, body=bytes(body), redelivered=True,
                               attempt=self.held_failures.get(event_id, 0))
+                if outcome in ("apply", "jumped") and event_id not in self.held_failures:
+                    # Its first run in this process: a run that died with an earlier one
+                    # rolled its take back, and only the database remembers it.
+                    earlier = max(self._count_attempt(event_id) - 1, 0)
+                    self.held_failures[event_id] = earlier
+                    taken.attempt = earlier
+                    if earlier >= self.s.max_attempts:
+                        raise Terminal(f"gave up after {earlier} attempts: its runs from the "
+                                       "held events ended unsettled (the member died while "
+                                       "handling it)")
                 if outcome in ("apply", "jumped"):
                     self.handler(cur, taken)
             self.held_failures.pop(taken.event_id, None)
@@ -475,8 +504,12 @@ CREATE TABLE IF NOT EXISTS example_applied (
 )"""
 
 
-def example_handler(member: Member) -> Handler:
+def example_handler(member: Member, exit_on_type: str | None = None) -> Handler:
     def handle(cur: psycopg.Cursor, ev: Event) -> None:
+        if exit_on_type is not None and ev.event_type == exit_on_type:
+            # To try out an event that kills its member (as out of memory would).
+            log.error("event %s of type %s: exiting, as asked", ev.event_id, ev.event_type)
+            os._exit(70)
         ev.payload()  # a body that is not JSON is dead-lettered (Terminal)
         cur.execute(
             "INSERT INTO example_applied (consumer, member, event_id, aggregate_type,"
@@ -501,6 +534,10 @@ def main() -> None:
     ap.add_argument("--on-dead", choices=["block-key", "continue"],
                     default=env("OUTBOX_ON_DEAD", "block-key"))
     ap.add_argument("--name", default=env("OUTBOX_MEMBER_NAME", "python"))
+    ap.add_argument("--exit-on-type", default=env("OUTBOX_EXAMPLE_EXIT_ON_TYPE"),
+                    help="end the process when an event of this type is handled (to try out "
+                         "an event that kills its member: it is dead-lettered after "
+                         "max-attempts runs)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -515,7 +552,7 @@ def main() -> None:
         except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
             pass  # another member created it at the same moment
     member = Member(settings, lambda cur, ev: None)
-    member.handler = example_handler(member)
+    member.handler = example_handler(member, a.exit_on_type)
     signal.signal(signal.SIGTERM, member.stop)
     signal.signal(signal.SIGINT, member.stop)
     log.info("member %s of group %s (%d partitions of %s)", member.member, settings.consumer,

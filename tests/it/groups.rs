@@ -1910,55 +1910,8 @@ async fn killed_by_its_event(ordered: bool) {
         .publish(&RawEvent::new("free", 1, json!({})))
         .await;
     let handler = Scripted::new("m");
-    let mut lives = 0;
-    loop {
-        assert!(
-            lives < 6,
-            "the event ran {} times and was never dead-lettered",
-            handler.crash_runs.load(Ordering::SeqCst)
-        );
-        let name = format!("life{lives}");
-        let member_cfg = member(&cfg, &name);
-        let app = unique("it.crash");
-        let deps = ConsumerDeps {
-            pool: db.target.pool(&db.schema, &app, 32),
-            amqp: AmqpTarget::parse(&amqp_url()).unwrap(),
-        };
-        let m = Running::start_with(deps, member_cfg.clone(), handler.clone());
-        let ran_before = handler.crash_runs.load(Ordering::SeqCst);
-        let crashed = wait_for(
-            "the crash event runs again, or is dead-lettered",
-            Duration::from_secs(60),
-            || async {
-                if handler.crash_runs.load(Ordering::SeqCst) > ran_before {
-                    Some(true)
-                } else {
-                    (!dead.all().is_empty()).then_some(false)
-                }
-            },
-        )
-        .await;
-        if !crashed {
-            m.stop().await;
-            break;
-        }
-        // A crash: the task gone, its broker connection and its database sessions (and
-        // with them the handler's open transaction) closed.
-        m.handle.abort();
-        let _ = m.handle.await;
-        crate::support::close_connections(&member_cfg.connection_name).await;
-        within(
-            "end the dead member's database sessions",
-            client.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-                &[&app],
-            ),
-        )
-        .await
-        .unwrap();
-        lives += 1;
-    }
-    let d = dead.all().into_iter().next().unwrap();
+    let lives = kill_members_until_dead(&db, &client, &cfg, &handler, &dead, crash.event_id).await;
+    let d = dead_one(&dead, crash.event_id);
     assert_eq!(
         handler.crash_runs.load(Ordering::SeqCst),
         3,
@@ -2079,4 +2032,137 @@ async fn refused_connections(ordered: bool) {
     } else {
         kit::delete_topology(&cfg).await;
     }
+}
+
+/// The dead letter of `event_id`.
+fn dead_one(dead: &DeadLetters, event_id: uuid::Uuid) -> kit::Dead {
+    let id = event_id.to_string();
+    dead.all()
+        .into_iter()
+        .find(|d| d.event_id == id)
+        .expect("dead-lettered")
+}
+
+/// Starts members one after another, each killed (its task aborted, its broker connection
+/// and database sessions closed, as a crash does) as soon as the crash event runs in it,
+/// until the event is dead-lettered; returns how many were killed.
+async fn kill_members_until_dead(
+    db: &TestDb,
+    client: &Client,
+    cfg: &ConsumerConfig,
+    handler: &Arc<Scripted>,
+    dead: &DeadLetters,
+    event_id: uuid::Uuid,
+) -> usize {
+    let id = event_id.to_string();
+    let mut lives = 0;
+    loop {
+        assert!(
+            lives < 6,
+            "the event ran {} times and was never dead-lettered",
+            handler.crash_runs.load(Ordering::SeqCst)
+        );
+        let name = format!("life{lives}");
+        let member_cfg = member(cfg, &name);
+        let app = unique("it.crash");
+        let deps = ConsumerDeps {
+            pool: db.target.pool(&db.schema, &app, 32),
+            amqp: AmqpTarget::parse(&amqp_url()).unwrap(),
+        };
+        let m = Running::start_with(deps, member_cfg.clone(), handler.clone());
+        let ran_before = handler.crash_runs.load(Ordering::SeqCst);
+        let crashed = wait_for(
+            "the crash event runs again, or is dead-lettered",
+            Duration::from_secs(60),
+            || async {
+                if handler.crash_runs.load(Ordering::SeqCst) > ran_before {
+                    Some(true)
+                } else {
+                    dead.all().iter().any(|d| d.event_id == id).then_some(false)
+                }
+            },
+        )
+        .await;
+        if !crashed {
+            m.stop().await;
+            return lives;
+        }
+        m.handle.abort();
+        let _ = m.handle.await;
+        crate::support::close_connections(&member_cfg.connection_name).await;
+        within(
+            "end the dead member's database sessions",
+            client.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                &[&app],
+            ),
+        )
+        .await
+        .unwrap();
+        lives += 1;
+    }
+}
+
+/// A held event that kills each member it runs in (taken from `outbox_inbox_held` by the
+/// drain of its released key, its take rolled back with the crash) is dead-lettered after
+/// max_attempts runs: each drain's first run is counted in the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_event_that_kills_its_member_is_dead_lettered_after_max_attempts() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute(APPLIED).await.unwrap();
+    let ex = exchange();
+    let mut cfg = group_config(&ex, 1);
+    cfg.max_attempts = std::num::NonZeroU32::new(3);
+    cfg.handler_timeout = Duration::from_secs(30);
+    // A poison event blocks the key; the crash event behind it is held.
+    let setup = Running::start(&db, member(&cfg, "setup"), Scripted::new("setup"));
+    wait_group_ready(&cfg).await;
+    let dead = DeadLetters::watch(&cfg.dead_letter_queue()).await;
+    let publisher = RawPublisher::new(&ex).await;
+    let poison = RawEvent::new("c", 1, json!({"poison": true}));
+    let crash = RawEvent::new("c", 2, json!({"crash": true}));
+    publisher.publish(&poison).await;
+    publisher.publish(&crash).await;
+    wait_for_explained(
+        "c/1 dead and c/2 held",
+        Duration::from_secs(30),
+        || async { (key_state(&client, &cfg.name, "c").await == (1, Some(1), 1)).then_some(()) },
+        || kit::group_state(&client, &cfg),
+    )
+    .await;
+    setup.stop().await;
+    let held: Option<i64> = within(
+        "release c",
+        client.query_one(
+            "SELECT outbox_consumer_release($1, 'order', 'c')",
+            &[&cfg.name],
+        ),
+    )
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(held, Some(1));
+    let handler = Scripted::new("m");
+    let lives = kill_members_until_dead(&db, &client, &cfg, &handler, &dead, crash.event_id).await;
+    let d = dead_one(&dead, crash.event_id);
+    assert_eq!(
+        handler.crash_runs.load(Ordering::SeqCst),
+        3,
+        "three runs, then dead; {lives} lives; dead-lettered for: {}",
+        d.reason
+    );
+    assert!(d.reason.contains("3 attempts"), "{}", d.reason);
+    let outcome: String = within(
+        "the crash event's inbox row",
+        client.query_one(
+            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+            &[&crash.event_id],
+        ),
+    )
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(outcome, "dead");
+    kit::delete_group_topology(&cfg).await;
 }

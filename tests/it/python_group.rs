@@ -20,12 +20,24 @@ use tokio_postgres::Client;
 
 use crate::deploy::{assert_args_parse, known_env, strings, yaml_docs};
 use crate::http_api::free_port;
-use crate::support::kit::delete_group_topology;
+use crate::support::kit::{DeadLetters, RawEvent, RawPublisher, delete_group_topology};
 use crate::support::process::{RelayProcess, binary, run_to_end};
 use crate::support::{InProcessRelay, TestDb, amqp_url, unique, wait_for, wait_for_explained};
 
 const PARTITIONS: u16 = 4;
 const KEYS: usize = 12;
+
+fn need_python() {
+    if std::process::Command::new("python3")
+        .args(["-c", "import psycopg, pika"])
+        .status()
+        .map_or(true, |s| !s.success())
+    {
+        panic!(
+            "python3 with psycopg and pika is needed: scripts/services.sh ensure_test_tools installs them"
+        );
+    }
+}
 
 /// Starts `program args`, its stdout and stderr appended to a log file under target/.
 fn spawn_logged(name: &str, program: &str, args: &[String]) -> RelayProcess {
@@ -90,15 +102,7 @@ async fn applied(client: &Client) -> Option<Vec<(uuid::Uuid, String, i64)>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_members_apply_every_event_once_in_order_through_the_group_router() {
-    if std::process::Command::new("python3")
-        .args(["-c", "import psycopg, pika"])
-        .status()
-        .map_or(true, |s| !s.success())
-    {
-        panic!(
-            "python3 with psycopg and pika is needed: scripts/services.sh ensure_test_tools installs them"
-        );
-    }
+    need_python();
     let db = TestDb::new().await;
     let client = db.client().await;
     let exchange = unique("it_pyx");
@@ -435,4 +439,128 @@ async fn group_router_deploy_example_is_consistent() {
     }
     let command = strings(&member["command"]);
     assert!(command.last().unwrap().ends_with("outbox_group_member.py"));
+}
+
+/// A Python member killed by its event (the example handler's `--exit-on-type`, as out of
+/// memory would) does not kill every next owner: the redelivered event's attempts are
+/// counted in Postgres (`outbox_inbox_attempt`), and after max-attempts runs the next member
+/// dead-letters it without running it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_python_member_killed_by_its_event_dead_letters_it_after_max_attempts() {
+    need_python();
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let exchange = unique("it_pyx");
+    let queue = unique("it_pyq");
+    let port = free_port();
+    let mut group = ConsumerConfig::new(&queue, &exchange, &["#"]);
+    group.ordered = Some(Ordered {
+        partitions: std::num::NonZeroU16::new(1).unwrap(),
+        ..Ordered::default()
+    });
+    let router_args: Vec<String> = vec![
+        "group-router".into(),
+        "--database-url".into(),
+        db.url(),
+        "--amqp-url".into(),
+        amqp_url(),
+        "--exchange".into(),
+        exchange.clone(),
+        "--queue".into(),
+        queue.clone(),
+        "--partitions".into(),
+        "1".into(),
+        "--http-listen".into(),
+        format!("127.0.0.1:{port}"),
+    ];
+    let router = spawn_logged(&format!("{queue}-router"), binary(), &router_args);
+    wait_for_explained(
+        "the group router ready",
+        Duration::from_secs(30),
+        || async {
+            let r = reqwest::get(format!("http://127.0.0.1:{port}/readyz"))
+                .await
+                .ok()?;
+            (r.status() == 200).then_some(())
+        },
+        || async { format!("; router log:\n{}", router.log_tail(20)) },
+    )
+    .await;
+    let dead = DeadLetters::watch(&group.dead_letter_queue()).await;
+    let publisher = RawPublisher::new(&exchange).await;
+    let event = RawEvent::new("k", 1, serde_json::json!({}));
+    publisher.publish(&event).await;
+    let id = event.event_id.to_string();
+    let mut exits = 0;
+    loop {
+        assert!(
+            exits < 6,
+            "the event killed {exits} members and was never dead-lettered"
+        );
+        let m = std::sync::Mutex::new(spawn_logged(
+            &format!("{queue}-life{exits}"),
+            "python3",
+            &[
+                member_script(),
+                "--database-url".into(),
+                db.url(),
+                "--amqp-url".into(),
+                amqp_url(),
+                "--queue".into(),
+                queue.clone(),
+                "--partitions".into(),
+                "1".into(),
+                "--member-lease".into(),
+                "2".into(),
+                "--max-attempts".into(),
+                "3".into(),
+                "--exit-on-type".into(),
+                "created".into(),
+                "--name".into(),
+                format!("life{exits}"),
+            ],
+        ));
+        // The member dies of the event, or dead-letters it.
+        let exited = wait_for_explained(
+            "the member exits at the event, or dead-letters it",
+            Duration::from_secs(60),
+            || async {
+                if dead.all().iter().any(|d| d.event_id == id) {
+                    return Some(false);
+                }
+                let exit = m.lock().unwrap().child.try_wait();
+                exit.ok().flatten().map(|_| true)
+            },
+            || async { format!("; member log:\n{}", m.lock().unwrap().log_tail(20)) },
+        )
+        .await;
+        let mut m = m.into_inner().unwrap();
+        if !exited {
+            m.signal("TERM");
+            let _ = m.wait(Duration::from_secs(30)).await;
+            break;
+        }
+        exits += 1;
+    }
+    let d = dead
+        .all()
+        .into_iter()
+        .find(|d| d.event_id == id)
+        .expect("dead-lettered");
+    assert_eq!(exits, 3, "three runs, then dead: {}", d.reason);
+    assert!(d.reason.contains("3 attempts"), "{}", d.reason);
+    let outcome: String = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.query_one(
+            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
+            &[&event.event_id],
+        ),
+    )
+    .await
+    .expect("the inbox answers within 10 s")
+    .unwrap()
+    .get(0);
+    assert_eq!(outcome, "dead");
+    router.signal("TERM");
+    delete_group_topology(&group).await;
 }

@@ -58,27 +58,46 @@ pub(super) async fn process<H: Handler>(shared: Arc<Shared>, handler: Arc<H>, d:
 }
 
 /// For a redelivered event (its member died, or its channel closed, with it unacked): how
-/// many attempts its earlier deliveries made, counted in the database
-/// ([`inbox::count_attempt`], committed before this attempt runs), so that an event that
-/// kills every process it runs in is dead-lettered after `max_attempts` rather than killing
-/// each next owner. Zero for a first delivery (nothing written), without `max_attempts`,
-/// and when the count cannot be written (warned; the count then lives in memory as before).
+/// many attempts its earlier deliveries made, counted in the database ([`count_in_db`]),
+/// so that an event that kills every process it runs in is dead-lettered after
+/// `max_attempts` rather than killing each next owner. Zero for a first delivery (nothing
+/// written) and without `max_attempts`.
 async fn earlier_deliveries(shared: &Shared, d: &Delivery, msg: &Message) -> u32 {
     if !d.redelivered || shared.cfg.max_attempts.is_none() {
         return 0;
     }
+    count_in_db(shared, msg.event_id).await
+}
+
+/// Counts one more attempt of the event in `outbox_inbox_attempts` ([`inbox::count_attempt`],
+/// committed before the attempt runs) and returns the count: its attempts before this one,
+/// counting the unrecorded first run of its first delivery. Zero when the count cannot be
+/// written (warned; the count then lives in memory as before).
+async fn count_in_db(shared: &Shared, event_id: uuid::Uuid) -> u32 {
     let counted = async {
         let client = deadline(shared.pool.get()).await?;
-        inbox::count_attempt(&**client, &shared.cfg.name, msg.event_id).await
+        inbox::count_attempt(&**client, &shared.cfg.name, event_id).await
     }
     .await;
     match counted {
         Ok(n) => n,
         Err(e) => {
-            tracing::warn!(target: "outbox_relay::consumer", error = %e, event_id = %msg.event_id, "a redelivered event's attempt was not counted in outbox_inbox_attempts (re-apply sql/roles.sql?); counting in memory");
+            tracing::warn!(target: "outbox_relay::consumer", error = %e, event_id = %event_id, "an attempt was not counted in outbox_inbox_attempts (re-apply sql/roles.sql?); counting in memory");
             0
         }
     }
+}
+
+/// For a held event about to run for the first time in this drain: how many earlier drains
+/// ran it, counted in the database like a redelivery's attempts (a held event never ran at
+/// its delivery, hence one less than the count). Its held row comes back whenever the run
+/// dies with its process (the take rolls back), so without this count an event that kills
+/// its process would kill the owner of its partition at every drain.
+async fn earlier_held_runs(shared: &Shared, event_id: uuid::Uuid) -> u32 {
+    if shared.cfg.max_attempts.is_none() {
+        return 0;
+    }
+    count_in_db(shared, event_id).await.saturating_sub(1)
 }
 
 fn gave_up_unsettled(spent: u32) -> String {
@@ -292,6 +311,14 @@ pub(super) async fn apply_held<H: Handler>(
                 ..template.clone()
             };
             *last.lock().expect("not poisoned") = Some(msg.clone());
+            if attempt == 0 {
+                let earlier = earlier_held_runs(shared, msg.event_id).await;
+                if shared.cfg.max_attempts.is_some_and(|max| earlier >= max.get()) {
+                    return Err(HandlerError::Terminal(format!(
+                        "gave up after {earlier} attempts: its runs from the held events ended unsettled (the member died while handling it)"
+                    )));
+                }
+            }
             run_admitted(shared, g.handler, &tx, &msg, t.admission).await?;
             deadline(tx.commit()).await?;
             Ok(())
