@@ -1117,10 +1117,17 @@ async fn copies_for_a_missing_partition_queue_are_retried_while_the_others_flow(
             .publish(&RawEvent::new(&live, seq, json!({})))
             .await;
     }
-    wait_for(
+    wait_for_explained(
         "the other partition's key applied",
         Duration::from_secs(30),
         || async { (applied(&client).await.get(&live) == Some(&vec![1, 2, 3])).then_some(()) },
+        || async {
+            format!(
+                "\n  applied {:?}{}",
+                applied(&client).await,
+                kit::group_state(&client, &cfg).await
+            )
+        },
     )
     .await;
     // Long enough for the router to have tried the gone partition's copies several times.

@@ -15,7 +15,7 @@
 //! partitions (the others take them over after the same lease). A key's held events are
 //! applied only by the member owning its partition, and under the key's row lock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -95,6 +95,8 @@ pub(super) async fn run<H: Handler>(
     // A partition whose lane with parked events emptied asks for a drain at once.
     let drain_now = Arc::new(Notify::new());
     let mut owned: HashMap<u16, Owned> = HashMap::new();
+    // Partitions whose last consumer ended in an error: probed before consuming again.
+    let mut failed: HashSet<u16> = HashSet::new();
     let mut tasks: FuturesUnordered<JoinHandle<(u16, Result<(), String>)>> =
         FuturesUnordered::new();
     let mut task_partition: HashMap<tokio::task::Id, u16> = HashMap::new();
@@ -147,6 +149,9 @@ pub(super) async fn run<H: Handler>(
                     && !stopping.is_cancelled()
                 {
                     events::partition_ended(&cfg.name, p, &why);
+                    failed.insert(p);
+                } else {
+                    failed.remove(&p);
                 }
                 owned.remove(&p);
                 task_partition.retain(|_, q| *q != p);
@@ -211,7 +216,25 @@ pub(super) async fn run<H: Handler>(
                         drain_now.clone(),
                         stop,
                     );
-                    let handle = tokio::spawn(async move { (p, task.await) });
+                    // A partition whose last consumer failed may have lost its queue, and
+                    // one this member does not declare may never have had it: ask on a
+                    // connection of its own before consuming on the shared one.
+                    let probe = (failed.contains(&p) || !cfg.declare).then(|| {
+                        (
+                            amqp.clone(),
+                            cfg.connection_name.clone(),
+                            cfg.partition_queue(p),
+                        )
+                    });
+                    let handle = tokio::spawn(async move {
+                        if let Some((amqp, name, queue)) = probe
+                            && let Err(e) =
+                                super::partition::queue_exists(&amqp, &name, &queue).await
+                        {
+                            return (p, Err(e));
+                        }
+                        (p, task.await)
+                    });
                     task_partition.insert(handle.id(), p);
                     tasks.push(handle);
                 }

@@ -25,12 +25,12 @@ use std::sync::Arc;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::Connection;
 use lapin::message::Delivery;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp;
+use crate::amqp::{self, AmqpTarget};
 use crate::consumer::events;
 use crate::consumer::inbox::{self, HeldEvent, Parked};
 use crate::db::deadline;
@@ -111,6 +111,38 @@ async fn park(shared: &Shared, p: u16, d: &Delivery, after: i64) -> Result<Parke
 enum Lane {
     Key(String, String),
     Alone(u64),
+}
+
+/// Whether partition queue `queue` exists, asked with a passive declare on a connection of
+/// its own. A `basic.consume` on a queue that is gone fails its channel, and with lapin
+/// 4.12 the broker's channel.close can end the whole connection it came on (seen in
+/// `groups::copies_for_a_missing_partition_queue_are_retried_while_the_others_flow`): on
+/// the member's shared connection that stopped every partition's consumer at each retry.
+pub(super) async fn queue_exists(amqp: &AmqpTarget, name: &str, queue: &str) -> Result<(), String> {
+    let conn = amqp
+        .connect(&format!("{name} probe"))
+        .await
+        .map_err(|e| e.to_string())?;
+    let declared = async {
+        let ch = amqp::rpc("channel.open", conn.create_channel()).await?;
+        amqp::rpc(
+            "queue.declare (passive)",
+            ch.queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            ),
+        )
+        .await
+    }
+    .await;
+    let _ = tokio::time::timeout(RPC_TIMEOUT, conn.close(200, "probed".into())).await;
+    declared
+        .map(|_| ())
+        .map_err(|e| format!("partition queue {queue} not there: {e}"))
 }
 
 /// Consumes partition `p` until `stop` is cancelled (or the channel fails), then finishes
