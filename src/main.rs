@@ -214,7 +214,7 @@ async fn run_operator(mut client: Client, db: &Database, command: Operator) -> a
         Operator::Migrate => {
             let schema = &db.schema;
             let report = schema::migrate(&mut client, schema).await?;
-            let applied = [report.applied, report.functions].concat();
+            let applied = report.changed();
             if applied.is_empty() {
                 println!(
                     "schema {schema} is up to date ({} migrations)",
@@ -460,10 +460,7 @@ async fn migrate_when_reachable(
         match attempt.await {
             Ok(report) => {
                 down.recovered();
-                telemetry::migrations_applied(
-                    &[report.applied, report.functions].concat(),
-                    report.already,
-                );
+                telemetry::migrations_applied(&report.changed(), report.already);
                 return Ok(true);
             }
             Err(MigrateError::Db(e)) if e.is_transient() => {

@@ -242,6 +242,13 @@ pub struct MigrateReport {
     pub functions: Vec<String>,
 }
 
+impl MigrateReport {
+    /// Everything applied now: the migrations, then the function files.
+    pub fn changed(&self) -> Vec<String> {
+        [&self.applied[..], &self.functions[..]].concat()
+    }
+}
+
 /// Applies the pending migrations to `schema` in one transaction.
 pub async fn migrate(client: &mut Client, schema: &Schema) -> Result<MigrateReport, MigrateError> {
     let tx = deadline(client.transaction()).await?;

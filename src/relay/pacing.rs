@@ -84,7 +84,7 @@ impl Pacing {
     /// previous claim for which no NOTIFY came even later.
     pub(crate) fn unannounced(&mut self, new: usize) -> usize {
         let counted = std::mem::take(&mut self.unheard);
-        if self.listen_up && self.wakeup_db == Some(true) && !self.notified {
+        if self.flag_heard() && !self.notified {
             self.unheard = new;
         }
         self.notified = false;
@@ -112,11 +112,13 @@ impl Pacing {
     /// relay is not busy, and the flag is on in the database with no write of it in flight.
     /// Then a claim that found rows needs no follow-up claim: the next commit starts one.
     pub(crate) fn commits_announced(&self) -> bool {
-        self.listen
-            && self.listen_up
-            && !self.busy
-            && !self.wakeup_busy
-            && self.wakeup_db == Some(true)
+        self.listen && !self.busy && !self.wakeup_busy && self.flag_heard()
+    }
+
+    /// LISTEN is up and the flag is on in the database: producers' commits send a NOTIFY
+    /// that reaches this relay.
+    fn flag_heard(&self) -> bool {
+        self.listen_up && self.wakeup_db == Some(true)
     }
 
     /// The flag producers should see: on while waiting for commits (with `--listen`).

@@ -190,8 +190,7 @@ impl Pass {
     /// The claim returned at `now`: it scanned up to `scanned_to`, reached the end of the
     /// pending rows or not, and added `new` rows to the hand. `announced`: every commit
     /// from now on sends this relay a NOTIFY (LISTEN up, the producers' flag on), so rows
-    /// that commit after this claim's snapshot start the next claim themselves. Returns
-    /// whether it was a forward claim.
+    /// that commit after this claim's snapshot start the next claim themselves.
     pub(crate) fn returned(
         &mut self,
         now: Instant,
@@ -200,7 +199,7 @@ impl Pass {
         reached_end: bool,
         new: usize,
         announced: bool,
-    ) -> bool {
+    ) {
         self.busy = false;
         self.retry.ok();
         // `wanted` was cleared when this claim started; a wake-up that came while it ran
@@ -213,7 +212,7 @@ impl Pass {
                 self.sweep.map(|(_, until)| (scanned_to, until))
             };
             self.wanted |= new > 0 || self.sweep.is_some();
-            return false;
+            return;
         }
         self.forward_done(now, scanned_to, reached_end);
         // More to read, keys to finish or a sweep to go on with: claim again at once. Rows
@@ -224,7 +223,6 @@ impl Pass {
         if !reached_end || rows_coming || !self.continue_keys.is_empty() || self.sweep.is_some() {
             self.wanted = true;
         }
-        true
     }
 
     /// A claim is wanted (set again since the last one started, or never cleared).

@@ -64,7 +64,7 @@ async fn sweeps_alternate_with_forward_claims() {
         (0, Some(0), true)
     );
     assert!(!pass.due(Instant::now()), "one claim at a time");
-    assert!(!pass.returned(Instant::now(), true, 0, true, 0, false));
+    pass.returned(Instant::now(), true, 0, true, 0, false);
     // The forward claim the start asked for is still wanted.
     assert!(pass.due(Instant::now()));
     let forward = pass.start(Instant::now(), 100, W);
@@ -72,7 +72,7 @@ async fn sweeps_alternate_with_forward_claims() {
         (forward.after, forward.before, forward.sweeping),
         (0, None, false)
     );
-    assert!(pass.returned(Instant::now(), false, 1000, false, 100, false));
+    pass.returned(Instant::now(), false, 1000, false, 100, false);
     assert!(pass.wanted(), "cut at its limit: claim again");
 
     tokio::time::advance(ms(500)).await; // out of the look-back window
@@ -82,24 +82,24 @@ async fn sweeps_alternate_with_forward_claims() {
         (sweep.after, sweep.before, sweep.sweeping),
         (0, Some(1000), true)
     );
-    assert!(!pass.returned(Instant::now(), true, 400, false, 0, false));
+    pass.returned(Instant::now(), true, 400, false, 0, false);
     // Still sweeping: the next claim reads forward, the one after that sweeps on.
     let forward = pass.start(Instant::now(), 100, W);
     assert_eq!((forward.after, forward.sweeping), (1000, false));
-    assert!(pass.returned(Instant::now(), false, 1010, true, 0, false));
+    pass.returned(Instant::now(), false, 1010, true, 0, false);
     let sweep = pass.start(Instant::now(), 100, W);
     assert_eq!(
         (sweep.after, sweep.before),
         (400, Some(1000)),
         "sweep goes on"
     );
-    assert!(!pass.returned(Instant::now(), true, 1000, true, 0, false));
+    pass.returned(Instant::now(), true, 1000, true, 0, false);
     assert_eq!(pass.cursor, 1010, "sweeps never move the cursor");
     // The sweep is done; the forward claim the last one asked for is still wanted, and
     // reads again from where the claims of the window started.
     let forward = pass.start(Instant::now(), 100, W);
     assert_eq!((forward.after, forward.sweeping), (1000, false));
-    assert!(pass.returned(Instant::now(), false, 1010, true, 0, false));
+    pass.returned(Instant::now(), false, 1010, true, 0, false);
     assert!(!pass.due(Instant::now()), "caught up, nothing wanted");
 }
 
@@ -161,7 +161,7 @@ fn named_keys_take_a_quarter_of_a_claim() {
     }
     let plan = pass.start(Instant::now(), 8, W);
     assert_eq!(plan.keys.len(), 2);
-    assert!(pass.returned(Instant::now(), false, 0, true, 0, false));
+    pass.returned(Instant::now(), false, 0, true, 0, false);
     assert!(pass.wanted(), "a named key is left: claim again");
     assert_eq!(pass.start(Instant::now(), 8, W).keys.len(), 1);
 }
