@@ -100,7 +100,7 @@ pub(crate) fn key_parked(
 }
 
 pub(crate) fn park_failed(consumer: &str, partition: u16, error: &str) {
-    warn!(target: "outbox_relay::consumer", consumer, partition, error, "could not park a key's later event; it waits in memory instead");
+    warn!(target: "outbox_relay::consumer", consumer, partition, error, "could not park a key's later event; the partition is given up and its unacked events come back in order");
 }
 
 pub(crate) fn copy_failed(consumer: &str, why: &str) {

@@ -8,7 +8,9 @@
 //! `outbox_inbox_held` behind the last one still in hand, then acked), so a key whose event
 //! keeps failing holds its own lane and never the window of the partition's other keys.
 //! Parked events are applied in seq order once the key has applied everything it had in
-//! hand (the member's drain, woken when such a lane empties).
+//! hand (the member's drain, woken when such a lane empties). A park that fails gives the
+//! partition up: what is unacked comes back in queue order (parks finish in any order, so
+//! keeping failed ones in memory could run a key's events out of order).
 //!
 //! Invariants: acks are per delivery tag, never `multiple`. The partition is given up by
 //! closing its channel once the events in hand are finished, never by `basic.cancel`
@@ -244,16 +246,17 @@ pub(super) async fn consume<H: Handler>(
             Some((lane, d, parked)) = parking.next(), if !parking.is_empty() => match parked {
                 Ok(Parked::Parked | Parked::Duplicate) => ack(&d).await,
                 Err::<_, String>(why) => {
+                    // Unacked, it goes back to the queue with the channel, in its order.
+                    // Keeping it in memory instead could run it after a later event of its
+                    // key: parks finish in any order, so a later one that also failed may
+                    // already be back in the lane (the soak saw seq 1472 applied after
+                    // 1470 with 1471 late, when parks failed while Postgres restarted).
                     events::park_failed(&cfg.name, p, &why);
-                    if stop.is_cancelled() {
-                        // Unacked: it goes back to the queue with the channel.
-                    } else if let Some(h) = lanes.get_mut(&lane) {
-                        h.keep(d);
-                    } else {
-                        // Nothing of its key in hand any more: it runs (the inbox holds it
-                        // behind the key's parked events, if any).
-                        lanes.insert(lane.clone(), InHand::new(&d));
-                        running.push(run(lane, d));
+                    drop((lane, d));
+                    if !stop.is_cancelled() {
+                        taking = false;
+                        stop.cancel();
+                        ended = Err(format!("an event could not be parked: {why}"));
                     }
                 }
             },
