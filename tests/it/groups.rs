@@ -1880,17 +1880,7 @@ async fn an_event_whose_seq_cannot_be_read_is_recorded_and_blocks_its_key() {
         || async { (key_state(&client, &cfg.name, "p").await == (1, Some(2), 1)).then_some(()) },
     )
     .await;
-    let outcome: String = within(
-        "the bad event's inbox row",
-        client.query_one(
-            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
-            &[&bad.event_id],
-        ),
-    )
-    .await
-    .unwrap()
-    .get(0);
-    assert_eq!(outcome, "dead");
+    assert_eq!(inbox_outcome(&client, bad.event_id).await, "dead");
     assert_eq!(applied(&client).await.get("p"), Some(&vec![1]));
     running.stop().await;
     kit::delete_group_topology(&cfg).await;
@@ -2002,22 +1992,8 @@ async fn killed_by_its_event(ordered: bool) {
     );
     assert_eq!(d.event_id, crash.event_id.to_string());
     assert!(d.reason.contains("3 attempts"), "{}", d.reason);
-    let outcome: String = within(
-        "the crash event's inbox row",
-        client.query_one(
-            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
-            &[&crash.event_id],
-        ),
-    )
-    .await
-    .unwrap()
-    .get(0);
-    assert_eq!(outcome, "dead");
-    if ordered {
-        kit::delete_group_topology(&cfg).await;
-    } else {
-        kit::delete_topology(&cfg).await;
-    }
+    assert_eq!(inbox_outcome(&client, crash.event_id).await, "dead");
+    delete_any_topology(&cfg).await;
 }
 
 /// A database that takes no new connections (at its connection limit, restarting, out of
@@ -2097,23 +2073,9 @@ async fn refused_connections(ordered: bool) {
     )
     .await;
     assert!(dead.all().is_empty(), "dead-lettered: {:?}", dead.all());
-    let outcome: String = within(
-        "the event's inbox row",
-        client.query_one(
-            "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
-            &[&event.event_id],
-        ),
-    )
-    .await
-    .unwrap()
-    .get(0);
-    assert_eq!(outcome, "applied");
+    assert_eq!(inbox_outcome(&client, event.event_id).await, "applied");
     running.stop().await;
-    if ordered {
-        kit::delete_group_topology(&cfg).await;
-    } else {
-        kit::delete_topology(&cfg).await;
-    }
+    delete_any_topology(&cfg).await;
 }
 
 /// The dead letter of `event_id`.
@@ -2235,16 +2197,29 @@ async fn a_held_event_that_kills_its_member_is_dead_lettered_after_max_attempts(
         d.reason
     );
     assert!(d.reason.contains("3 attempts"), "{}", d.reason);
-    let outcome: String = within(
-        "the crash event's inbox row",
+    assert_eq!(inbox_outcome(&client, crash.event_id).await, "dead");
+    kit::delete_group_topology(&cfg).await;
+}
+
+/// The inbox outcome of `event_id` (with the test's deadline).
+async fn inbox_outcome(client: &Client, event_id: uuid::Uuid) -> String {
+    within(
+        "the event's inbox row",
         client.query_one(
             "SELECT outcome FROM outbox_inbox WHERE event_id = $1",
-            &[&crash.event_id],
+            &[&event_id],
         ),
     )
     .await
     .unwrap()
-    .get(0);
-    assert_eq!(outcome, "dead");
-    kit::delete_group_topology(&cfg).await;
+    .get(0)
+}
+
+/// Deletes a group's or an unordered consumer's topology, whichever `cfg` is.
+async fn delete_any_topology(cfg: &ConsumerConfig) {
+    if cfg.ordered.is_some() {
+        kit::delete_group_topology(cfg).await;
+    } else {
+        kit::delete_topology(cfg).await;
+    }
 }
